@@ -1,0 +1,236 @@
+"""``python -m forge``: build, review and publish the patched engine wheels of matrix.toml.
+
+Every ForgeError is printed as one line, ``forge: error: <message>``, with exit status 1;
+usage errors exit with status 2 (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from codemods.registry import PATCHES_ROOT, Registry, default_registry
+from forge.errors import ForgeError, PublishError, WheelError
+from forge.fetch import default_cache_dir
+from forge.matrix import Matrix, load_matrix
+from forge.repack import PROVENANCE_FILE
+
+PASSWORD_ENV = "KVCACHED_FORGE_INDEX_PASSWORD"
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--matrix", type=Path, default=Path("matrix.toml"),
+                        help="the compatibility matrix (default: ./matrix.toml)")
+    common.add_argument("--patches-dir", type=Path, default=PATCHES_ROOT,
+                        help="root of patches/<engine>/<series>/ (default: the toolkit's own)")
+    common.add_argument("--registry", default=None, metavar="MODULE:NAME",
+                        help="use another transform registry: a Registry, or a function of the "
+                             "patches dir returning one (default: codemods.registry)")
+    build_opts = argparse.ArgumentParser(add_help=False)
+    build_opts.add_argument("--cache-dir", type=Path, default=None,
+                            help="artifact and workspace cache (default: $KVCACHED_FORGE_CACHE "
+                                 "or ~/.cache/kvcached-forge)")
+    build_opts.add_argument("--index-url", default=None,
+                            help="simple index to fetch upstream artifacts from (overrides "
+                                 "$KVCACHED_FORGE_INDEX_URL and matrix index_url)")
+
+    parser = argparse.ArgumentParser(prog="python -m forge", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    build = commands.add_parser("build", parents=[common, build_opts],
+                                help="build a cell's patched wheels into dist/<cell>/")
+    build.add_argument("cell")
+    build.add_argument("--dist", type=Path, default=Path("dist"), help="output root (./dist)")
+
+    approve = commands.add_parser("approve-diff", parents=[common, build_opts],
+                                  help="rebuild a cell's change and write it as the reviewed diff")
+    approve.add_argument("cell")
+
+    transforms = commands.add_parser("transforms", parents=[common],
+                                     help="list the transform set of a cell")
+    transforms.add_argument("cell")
+
+    commands.add_parser("check-matrix", parents=[common],
+                        help="validate matrix.toml and lint the transform registry")
+
+    listing = commands.add_parser("list", parents=[common], help="list the cells")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+
+    publish = commands.add_parser("publish", parents=[common],
+                                  help="upload dist/<cell>/*.whl to an index")
+    publish.add_argument("cell")
+    publish.add_argument("--repository-url", required=True)
+    publish.add_argument("--dist", type=Path, default=Path("dist"))
+    publish.add_argument("--username", default=None,
+                         help=f"index user; the password is read from ${PASSWORD_ENV}")
+
+    verify = commands.add_parser("verify-installed",
+                                 help="check an installed patched distribution against RECORD")
+    verify.add_argument("dist", metavar="DIST")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ForgeError as exc:
+        print(f"forge: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("forge: error: interrupted", file=sys.stderr)
+        return 130
+
+
+def _registry(args: argparse.Namespace) -> Registry:
+    if args.registry is None:
+        return default_registry(patches_root=args.patches_dir)
+    module_name, _, attribute = args.registry.partition(":")
+    if not module_name or not attribute:
+        raise ForgeError(f"--registry {args.registry}: expected MODULE:NAME")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ForgeError(f"--registry {args.registry}: {exc}") from None
+    registry = found(args.patches_dir) if callable(found) else found
+    if not isinstance(registry, Registry):
+        raise ForgeError(f"--registry {args.registry}: not a Registry")
+    return registry
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from forge import build as build_module
+
+    command = args.command
+    if command == "build":
+        build_module.build_cell(
+            args.cell, matrix_path=args.matrix, dist_dir=args.dist,
+            cache_dir=args.cache_dir or default_cache_dir(), registry=_registry(args),
+            index_url=args.index_url,
+        )
+    elif command == "approve-diff":
+        build_module.approve_diffs(
+            args.cell, matrix_path=args.matrix, cache_dir=args.cache_dir or default_cache_dir(),
+            registry=_registry(args), index_url=args.index_url,
+        )
+    elif command == "transforms":
+        _print_transforms(load_matrix(args.matrix), args.cell, _registry(args))
+    elif command == "check-matrix":
+        _check_matrix(load_matrix(args.matrix), _registry(args))
+    elif command == "list":
+        _list(load_matrix(args.matrix), as_json=args.json)
+    elif command == "publish":
+        _publish(args)
+    elif command == "verify-installed":
+        _verify_installed(args.dist)
+    return 0
+
+
+def _print_transforms(matrix: Matrix, name: str, registry: Registry) -> None:
+    from forge import TOOLKIT_VERSION
+    from forge.transforms import patch_set_fingerprint, select_transforms
+
+    cell = matrix.get_cell(name)
+    transforms = select_transforms(registry, cell)
+    rows = [("id", "kind", "hits", "targets", "anchor")] + [
+        (t.id, str(t.kind), str(t.expected_hits), ", ".join(t.target_paths(cell.engine)),
+         t.anchor.replace("{package}", cell.engine))
+        for t in transforms
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print(f"transform set of {cell.name} ({cell.engine} {cell.version}):")
+    for row in rows:
+        print("  " + " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    for t in transforms:
+        print(f"  {t.id}: why: {t.why}\n  {' ' * len(t.id)}  retire when: {t.retire_when}")
+    print(f"patch-set fingerprint: {patch_set_fingerprint(transforms, TOOLKIT_VERSION)}")
+
+
+def _check_matrix(matrix: Matrix, registry: Registry) -> None:
+    from forge.transforms import select_transforms
+
+    problems = registry.lint()
+    if problems:
+        raise ForgeError(f"registry: {problems[0]}")
+    counts = ", ".join(
+        f"{cell.name}: {len(select_transforms(registry, cell))} transforms" for cell in matrix.cells
+    )
+    print(f"{matrix.path.name}: {len(matrix.cells)} cells OK ({counts})")
+
+
+def _list(matrix: Matrix, *, as_json: bool) -> None:
+    if as_json:
+        document = [
+            {
+                "name": c.name, "engine": c.engine, "series": c.series, "version": c.version,
+                "build": c.build, "status": c.status, "reason": c.reason,
+                "python": c.python, "torch": c.torch,
+                "verified": c.verified.isoformat() if c.verified else None,
+                "artifacts": [
+                    {"role": a.role, "filename": a.filename, "git": a.git, "tag": a.tag}
+                    for a in c.artifacts
+                ],
+            }
+            for c in matrix.cells
+        ]
+        print(json.dumps(document, indent=2))
+        return
+    for c in matrix.cells:
+        flavours = ", ".join(a.distribution for a in c.wheel_artifacts)
+        reason = f" ({c.reason})" if c.reason else ""
+        print(f"{c.name:<14} {c.version:<10} {c.status}{reason}  wheels: {flavours}")
+
+
+def _publish(args: argparse.Namespace) -> None:
+    from forge.publish import publish
+
+    cell = load_matrix(args.matrix).get_cell(args.cell)
+    folder = args.dist / cell.name
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise PublishError(f"cell {cell.name}: no wheels in {folder}; run `python -m forge "
+                           f"build {cell.name}` first")
+    # Engine wheels first: a meta wheel must never be visible before the build it pins.
+    ordered = sorted(wheels, key=lambda w: (w.name.startswith("kvcached_"), w.name))
+    publish(ordered, args.repository_url, username=args.username,
+            password=os.environ.get(PASSWORD_ENV), progress=print)
+
+
+def _verify_installed(name: str) -> None:
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        raise WheelError(f"distribution {name!r} is not installed in {sys.prefix}") from None
+    text = dist.read_text(PROVENANCE_FILE)
+    if text is None:
+        raise WheelError(f"{name} {dist.version} has no {PROVENANCE_FILE}: not a patched build")
+    provenance = json.loads(text)
+    checked = 0
+    for entry in dist.files or ():
+        if entry.hash is None:
+            continue  # RECORD itself and files written at install time carry no hash
+        path = Path(str(dist.locate_file(entry)))
+        try:
+            data = path.read_bytes()
+        except OSError:
+            raise WheelError(f"{name}: installed file {entry} is missing") from None
+        digest = hashlib.new(entry.hash.mode, data).digest()
+        actual = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+        if actual != entry.hash.value:
+            raise WheelError(f"{name}: installed file {entry} differs from its RECORD hash")
+        checked += 1
+    print(f"{name} {dist.version}: {checked} installed files match RECORD")
+    for key in ("cell", "built_version", "base_artifact", "base_sha256",
+                "patch_set_fingerprint", "toolkit_version"):
+        print(f"  {key}: {provenance.get(key)}")
+    applied = ", ".join(f"{t['id']} ({t['hits']})" for t in provenance.get("transforms", []))
+    print(f"  transforms: {applied}")

@@ -1,0 +1,274 @@
+"""Apply a cell's transform set to a workspace, failing closed.
+
+A transform that matches nothing, matches more or fewer places than it declares, leaves its file
+unchanged, needs fuzz, or yields code that does not compile stops the build with one line naming
+the cell, the transform and the file. Each applied transform is one commit on ``kvcached``.
+Re-running the set on an already rewritten tree is a clean no-op: codemods recognise their own
+output, and a diff that reverse-applies cleanly is already in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from libcst.codemod import (
+    CodemodContext,
+    TransformFailure,
+    TransformSkip,
+    TransformSuccess,
+    transform_module,
+)
+
+from codemods.base import BuildContext
+from codemods.registry import Kind, Registry, Transform
+from forge.errors import TransformError
+from forge.matrix import Cell
+from forge.report import ALREADY_APPLIED, APPLIED, Row
+from forge.workspace import Workspace
+
+Progress = Callable[[str], None]
+
+_OFFSET = re.compile(r"Hunk #(\d+) succeeded at (\d+) \(offset (-?\d+) lines?\)\.")
+_CHECKING = re.compile(r"Checking patch (.+)\.\.\.")
+_FAILED_AT = re.compile(r"error: patch failed: (.+):(\d+)")
+_FILE_ERROR = re.compile(r"error: (.+?): (does not exist in index|No such file or directory|"
+                         r"already exists in (?:index|working directory)|patch does not apply)")
+
+
+def _quiet(_line: str) -> None:
+    return None
+
+
+def select_transforms(registry: Registry, cell: Cell) -> list[Transform]:
+    return registry.transforms_for(cell.engine, cell.series, cell.version)
+
+
+def patch_set_fingerprint(transforms: Sequence[Transform], toolkit_version: str) -> str:
+    """sha256 over the toolkit version and, in order, each transform's id, kind and source."""
+    digest = hashlib.sha256(f"kvcached-forge {toolkit_version}\n".encode())
+    for transform in transforms:
+        source = hashlib.sha256(transform.source_bytes()).hexdigest()
+        digest.update(f"{transform.id}\n{transform.kind}\n{source}\n".encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class TransformOutcome:
+    transform: Transform
+    rows: tuple[Row, ...]
+    hits: int
+    files: tuple[str, ...]
+    offsets: tuple[str, ...]
+    result: str
+
+
+def run_transforms(workspace: Workspace, transforms: Sequence[Transform], build: BuildContext,
+                   *, flavour: str, progress: Progress = _quiet) -> list[TransformOutcome]:
+    """Apply ``transforms`` in order, one commit each; raise TransformError on any fault."""
+    outcomes: list[TransformOutcome] = []
+    for transform in transforms:
+        if transform.kind is Kind.CODEMOD:
+            outcome = _run_codemod(workspace, transform, build, flavour)
+        else:
+            outcome = _run_diff(workspace, transform, build, flavour)
+        if outcome.result == APPLIED:
+            workspace.commit_all(_commit_message(transform))
+        offsets = f" offsets {', '.join(outcome.offsets)}" if outcome.offsets else ""
+        progress(f"  {transform.id} ({transform.kind}): {outcome.result}, "
+                 f"{outcome.hits} hit(s) in {', '.join(outcome.files)}{offsets}")
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _fail(build: BuildContext, transform: Transform, file: str, message: str) -> TransformError:
+    return TransformError(f"cell {build.cell}: transform {transform.id}: {file}: {message}")
+
+
+def _commit_message(transform: Transform) -> str:
+    return (f"{transform.id}: {transform.description or transform.anchor}\n\n"
+            f"Kind: {transform.kind}\nAnchor: {transform.anchor}\n"
+            f"Expected-Hits: {transform.expected_hits}\nWhy: {transform.why}\n")
+
+
+def _module_name(relative: str) -> str:
+    dotted = relative.removesuffix(".py").replace("/", ".")
+    return dotted.removesuffix(".__init__")
+
+
+def _check_compiles(build: BuildContext, transform: Transform, relative: str,
+                    source: str) -> None:
+    try:
+        compile(source, relative, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        line = getattr(exc, "lineno", None)
+        where = f"{relative}:{line}" if line else relative
+        raise _fail(build, transform, where, f"rewritten code does not compile: {exc}") from None
+
+
+def _run_codemod(workspace: Workspace, transform: Transform, build: BuildContext,
+                 flavour: str) -> TransformOutcome:
+    assert transform.codemod is not None
+    hits = already = 0
+    rows: list[Row] = []
+    rewritten: dict[Path, str] = {}
+    for relative in transform.target_paths(build.package):
+        path = workspace.root / relative
+        if path.exists():
+            source = path.read_text(encoding="utf-8")
+        elif transform.codemod.creates_file:
+            source = ""
+        else:
+            raise _fail(build, transform, relative, "target file does not exist")
+        context = CodemodContext(filename=relative, full_module_name=_module_name(relative),
+                                 full_package_name=_module_name(relative).rpartition(".")[0])
+        command = transform.codemod(context, build)
+        result = transform_module(command, source)
+        if isinstance(result, TransformFailure):
+            raise _fail(build, transform, relative, f"codemod failed: {result.error!r}")
+        if isinstance(result, TransformSkip):
+            file_hits, file_already, new_source = 0, max(command.already_applied, 1), source
+        elif isinstance(result, TransformSuccess):
+            file_hits, file_already, new_source = command.hits, command.already_applied, \
+                result.code
+        else:
+            raise _fail(build, transform, relative, "codemod was interrupted")
+        if file_hits and new_source == source:
+            raise _fail(build, transform, relative,
+                        f"{file_hits} hit(s) but the file is unchanged")
+        if not file_hits and new_source != source:
+            raise _fail(build, transform, relative, "changed the file without counting a hit")
+        if file_hits:
+            _check_compiles(build, transform, relative, new_source)
+            rewritten[path] = new_source
+        hits += file_hits
+        already += file_already
+        rows.append(Row(flavour, transform.id, str(transform.kind), relative, file_hits,
+                        str(transform.expected_hits), (),
+                        APPLIED if file_hits else ALREADY_APPLIED if file_already else "no match"))
+
+    files = tuple(transform.target_paths(build.package))
+    if hits == 0 and already > 0:
+        return TransformOutcome(transform, tuple(rows), 0, files, (), ALREADY_APPLIED)
+    if hits == 0:
+        raise _fail(build, transform, ", ".join(files),
+                    f"matches nothing (expected {transform.expected_hits} hit(s))")
+    if hits not in transform.expected_hits:
+        raise _fail(build, transform, ", ".join(files),
+                    f"matched {hits} place(s), expected {transform.expected_hits}")
+    if already:
+        raise _fail(build, transform, ", ".join(files),
+                    f"tree is partly rewritten ({hits} new hit(s), {already} already rewritten)")
+    for path, text in rewritten.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return TransformOutcome(transform, tuple(rows), hits, files, (), APPLIED)
+
+
+def _git_apply(workspace: Workspace, patch: Path, *args: str) -> tuple[int, str]:
+    status, stdout, stderr = workspace.repo.git.apply(
+        *args, str(patch), with_extended_output=True, with_exceptions=False,
+    )
+    return status, f"{stdout}\n{stderr}".strip()
+
+
+def _run_diff(workspace: Workspace, transform: Transform, build: BuildContext,
+              flavour: str) -> TransformOutcome:
+    assert transform.patch is not None
+    files = transform.targets
+    hunks = transform.expected_hits  # load_patch checked the hunk count against the header
+    patch = _without_header(transform.patch)
+    try:
+        forward, forward_log = _git_apply(workspace, patch, "--check", "-v")
+        if forward != 0:
+            reverse, _ = _git_apply(workspace, patch, "--check", "--reverse")
+            if reverse == 0:
+                rows = tuple(Row(flavour, transform.id, str(transform.kind), f, 0, str(hunks),
+                                 (), ALREADY_APPLIED) for f in files)
+                return TransformOutcome(transform, rows, 0, files, (), ALREADY_APPLIED)
+            raise _fail(build, transform, _failed_file(forward_log, files),
+                        f"does not apply with zero fuzz: {_first_error(forward_log)}")
+        status, log = _git_apply(workspace, patch, "--index", "-v")
+        if status != 0:
+            raise _fail(build, transform, _failed_file(log, files),
+                        f"git apply failed: {_first_error(log)}")
+    finally:
+        patch.unlink(missing_ok=True)
+
+    offsets_by_file = _offsets(log)
+    changed = workspace.status_paths()
+    workspace.unstage()
+    if not changed:
+        raise _fail(build, transform, ", ".join(files), "applied but changed nothing")
+    for relative in changed:
+        if relative.endswith(".py"):
+            text = (workspace.root / relative).read_text(encoding="utf-8")
+            _check_compiles(build, transform, relative, text)
+    rows = tuple(
+        Row(flavour, transform.id, str(transform.kind), f, _hunks_in(transform, f),
+            str(hunks), tuple(offsets_by_file.get(f, ())), APPLIED)
+        for f in files
+    )
+    all_offsets = tuple(f"{f} {o}" for f in files for o in offsets_by_file.get(f, ()))
+    hit_count = sum(row.hits for row in rows)
+    return TransformOutcome(transform, rows, hit_count, files, all_offsets, APPLIED)
+
+
+def _without_header(patch: Path) -> Path:
+    """A copy of the patch without its DEP-3 header (git apply would read it as garbage)."""
+    text = patch.read_text(encoding="utf-8")
+    start = re.search(r"^(diff --git |--- )", text, flags=re.MULTILINE)
+    body = text[start.start():] if start else text
+    fd, name = tempfile.mkstemp(suffix=".patch")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(body)
+    return Path(name)
+
+
+def _hunks_in(transform: Transform, relative: str) -> int:
+    from unidiff import PatchSet
+
+    assert transform.patch is not None
+    for patched in PatchSet.from_filename(str(transform.patch)):
+        if patched.path == relative:
+            return len(patched)
+    return 0
+
+
+def _offsets(log: str) -> dict[str, list[str]]:
+    current: str | None = None
+    found: dict[str, list[str]] = {}
+    for line in log.splitlines():
+        checking = _CHECKING.match(line)
+        if checking:
+            current = checking.group(1)
+            continue
+        offset = _OFFSET.match(line)
+        if offset and current is not None:
+            hunk, at, delta = offset.groups()
+            found.setdefault(current, []).append(f"hunk {hunk} at {at} ({int(delta):+d})")
+    return found
+
+
+def _failed_file(log: str, files: Sequence[str]) -> str:
+    for line in log.splitlines():
+        match = _FAILED_AT.search(line)
+        if match:
+            return f"{match.group(1)}:{match.group(2)}"
+        match = _FILE_ERROR.search(line)
+        if match:
+            return match.group(1)
+    return ", ".join(files)
+
+
+def _first_error(log: str) -> str:
+    errors = [line.removeprefix("error: ") for line in log.splitlines()
+              if line.startswith("error: ")]
+    details = [e for e in errors if not e.startswith("patch failed")]
+    return (details or errors or [log.splitlines()[-1] if log else "unknown error"])[0]
+

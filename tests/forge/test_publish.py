@@ -1,0 +1,192 @@
+"""Publishing to a real local index, and installing from it into a fresh environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import Member, WheelRecipe, build_wheel, sha256_file
+
+from forge.errors import PublishError
+from forge.index import LocalIndex
+from forge.meta import build_meta_wheel
+from forge.publish import publish
+from forge.repack import RepackSpec, repack_wheel
+
+
+def engine_base(out_dir: Path) -> Path:
+    recipe = WheelRecipe(
+        tags="py3-none-any",
+        wheel_tag_line="py3-none-any",
+        package={
+            "fakeeng/__init__.py": Member(b'BUILD = "stock"\n'),
+            "fakeeng/core.py": Member(b"def answer():\n    return 42\n"),
+        },
+    )
+    return build_wheel(recipe, out_dir)
+
+
+def patched_build(base: Path, label: str, out_dir: Path) -> Path:
+    spec = RepackSpec(
+        base_wheel=base,
+        base_sha256=sha256_file(base),
+        replacements={"fakeeng/__init__.py": f'BUILD = "{label}"\n'.encode()},
+        build_label=label,
+        provenance={"cell": "fakeeng-0.9"},
+    )
+    return repack_wheel(spec, out_dir)
+
+
+def core_wheel(out_dir: Path) -> Path:
+    recipe = WheelRecipe(
+        name="kvcached_core",
+        version="0.1.0",
+        tags="py3-none-any",
+        wheel_tag_line="py3-none-any",
+        package={"kvcached_core/__init__.py": Member(b'RUNTIME = "core"\n')},
+    )
+    return build_wheel(recipe, out_dir)
+
+
+def meta_wheel(out_dir: Path, engine_version: str) -> Path:
+    return build_meta_wheel(
+        meta_name="kvcached-fakeeng",
+        engine_dist="fakeeng",
+        engine_version=engine_version,
+        core_requirement="kvcached-core==0.1.0",
+        summary="fakeeng with elastic KV cache",
+        out_dir=out_dir,
+    )
+
+
+def clean_pip_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+def test_round_trip_installs_the_patched_build(local_index: LocalIndex, tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    base = engine_base(tmp_path / "upstream")
+    build_1 = patched_build(base, "kvcached.1", dist)
+    build_2 = patched_build(base, "kvcached.2", dist)
+    lines: list[str] = []
+    # the stock engine and a newer build are on the index too: the meta wheel must pick build 1
+    publish(
+        [
+            base,
+            build_1,
+            build_2,
+            core_wheel(tmp_path / "core"),
+            meta_wheel(dist, "0.9.2+kvcached.1"),
+        ],
+        local_index.url,
+        progress=lines.append,
+    )
+    assert sum(line.startswith("uploaded ") for line in lines) == 5
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--disable-pip-version-check",
+            "--no-cache-dir",
+            "--index-url",
+            local_index.simple_url,
+            "kvcached-fakeeng==0.9.2",
+        ],
+        env=clean_pip_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import fakeeng, kvcached_core, importlib.metadata as m; "
+            "print(fakeeng.BUILD, m.version('fakeeng'), m.version('kvcached-fakeeng'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["kvcached.1", "0.9.2+kvcached.1", "0.9.2+kvcached.1"]
+
+
+def test_existing_version_is_refused_before_upload(local_index: LocalIndex, tmp_path: Path):
+    base = engine_base(tmp_path / "upstream")
+    build = patched_build(base, "kvcached.1", tmp_path / "dist")
+    publish([build], local_index.url)
+    fresh = core_wheel(tmp_path / "core")
+    with pytest.raises(PublishError) as refused:
+        publish([fresh, build], local_index.url)
+    assert str(refused.value) == (
+        f"fakeeng 0.9.2+kvcached.1 is already on {local_index.url}: bump the cell's build number"
+    )
+    # the batch is refused whole: the new file was not uploaded either
+    assert sorted(p.name for p in local_index.packages_dir.iterdir()) == [build.name]
+
+
+def test_index_refusal_of_a_duplicate_gives_the_same_message(
+    local_index: LocalIndex, tmp_path: Path
+) -> None:
+    build = patched_build(engine_base(tmp_path / "upstream"), "kvcached.1", tmp_path / "dist")
+    publish([build], local_index.url)
+    blind = (
+        local_index.url + "no-such-simple-api/"
+    )  # the pre-check sees nothing: the index says 409
+    with pytest.raises(PublishError, match=r"fakeeng 0\.9\.2\+kvcached\.1 is already on .*bump"):
+        publish([build], local_index.url, simple_url=blind)
+
+
+def test_unreachable_index_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/"
+    build = patched_build(engine_base(tmp_path / "upstream"), "kvcached.1", tmp_path / "dist")
+    with pytest.raises(PublishError) as refused:
+        publish([build], url)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"127.0.0.1:{port}" in message and "unreachable" in message
+    assert "refused" in message.lower()
+
+
+def test_only_wheels_can_be_published(tmp_path: Path) -> None:
+    sdist = tmp_path / "fakeeng-0.9.2.tar.gz"
+    sdist.write_bytes(b"")
+    with pytest.raises(PublishError, match="only wheels"):
+        publish([sdist], "http://127.0.0.1:9/")
+    with pytest.raises(PublishError, match="no such file"):
+        publish([tmp_path / "missing-1.0-py3-none-any.whl"], "http://127.0.0.1:9/")
+
+
+def test_local_index_serves_and_stops(tmp_path: Path) -> None:
+    index = LocalIndex(tmp_path / "idx")
+    with index:
+        url = index.url
+        with urllib.request.urlopen(url + "health", timeout=5) as response:
+            assert response.status == 200
+        assert index.simple_url == url + "simple/"
+        # no fallback to PyPI: an unknown project is simply not there
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(index.simple_url + "requests/", timeout=5)
+        assert missing.value.code == 404
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "health", timeout=5)
