@@ -59,7 +59,8 @@ def _make_cell_sessions(cell: dict) -> None:
         session.install(*FORGE_DEPS)
         session.run("python", "-m", "forge", "build", name, *session.posargs)
 
-    build.__doc__ = f"Build the patched {engine} {cell['version']} wheels and meta wheel into dist/{name}/."
+    build.__doc__ = (f"Build the patched {engine} {cell['version']} wheels and meta wheel "
+                     f"into dist/{name}/.")
 
     @nox.session(name=f"test-{name}", python=PYTHON, tags=["test", *tags],
                  requires=[f"build-{name}"])
