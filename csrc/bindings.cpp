@@ -1,0 +1,219 @@
+// Python bindings of kvcached_core._C. Every call that maps or unmaps memory (or waits for a
+// thread that does) releases the GIL. C++ errors become the classes of kvcached_core.errors.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "cuda_backend.hpp"
+#include "cuda_driver.hpp"
+#include "dlpack_export.hpp"
+#include "errors.hpp"
+#include "ftensor.hpp"
+#include "ftensor_allocator.hpp"
+#include "host_backend.hpp"
+#include "page_allocator.hpp"
+
+namespace py = pybind11;
+using namespace kvcached;  // NOLINT(build/namespaces)
+
+namespace {
+
+using Release = py::call_guard<py::gil_scoped_release>;
+
+// Borrowed for the life of the process (the module holds the errors module alive).
+PyObject* g_pool_exhausted = nullptr;
+PyObject* g_state_consistency = nullptr;
+PyObject* g_map_quarantined = nullptr;
+PyObject* g_config_error = nullptr;
+
+void register_error_translation() {
+  py::module_ errors = py::module_::import("kvcached_core.errors");
+  g_pool_exhausted = py::object(errors.attr("PoolExhausted")).release().ptr();
+  g_state_consistency = py::object(errors.attr("StateConsistencyError")).release().ptr();
+  g_map_quarantined = py::object(errors.attr("MapQuarantinedError")).release().ptr();
+  g_config_error = py::object(errors.attr("KVCachedConfigError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr error) {
+    if (!error) return;
+    try {
+      std::rethrow_exception(error);
+    } catch (const OutOfMemoryError& e) {
+      PyErr_SetString(g_pool_exhausted, e.what());
+    } catch (const QuarantineError& e) {
+      PyErr_SetString(g_map_quarantined, e.what());
+    } catch (const StateError& e) {
+      PyErr_SetString(g_state_consistency, e.what());
+    } catch (const ConfigError& e) {
+      PyErr_SetString(g_config_error, e.what());
+    } catch (const BackendError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+}
+
+std::shared_ptr<Backend> make_cuda_backend(int device_id) {
+  return std::make_shared<CudaBackend>(device_id);
+}
+
+std::string device_kind_name(const Backend& backend) {
+  return backend.device_kind() == DeviceKind::kCuda ? "cuda" : "cpu";
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Native data plane of kvcached_core: virtual KV tensors with physical pages on demand";
+  register_error_translation();
+
+  m.def(
+      "cuda_driver_status",
+      []() {
+        const CudaDriver& driver = CudaDriver::get();
+        if (!driver.available) return std::make_tuple(false, driver.unavailable_reason);
+        return std::make_tuple(true, "CUDA driver " + std::to_string(driver.driver_version) +
+                                         ", " + std::to_string(driver.device_count) +
+                                         " device(s)");
+      },
+      "(available, reason): whether libcuda.so.1 loads and initialises, and why not.");
+
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("device_type", &device_kind_name)
+      .def_property_readonly("device_id", &Backend::device_id)
+      .def_property_readonly("granularity", &Backend::granularity)
+      .def_property_readonly("zero_page_read_only", &Backend::zero_page_read_only)
+      .def("physical_free_bytes", &Backend::physical_free_bytes, Release())
+      .def(
+          "op_stats",
+          [](const Backend& self) {
+            py::dict stats;
+            for (const auto& [name, stat] : self.op_stats()) {
+              stats[py::str(name)] = py::make_tuple(stat.calls, stat.ns);
+            }
+            return stats;
+          },
+          "{operation: (calls, total ns)} of the driver calls made (CUDA backend only).");
+
+  py::class_<HostBackend, Backend, std::shared_ptr<HostBackend>>(m, "HostBackend")
+      .def(py::init<size_t>(), py::arg("memory_limit_bytes") = 0)
+      .def(
+          "inject_failure",
+          [](HostBackend& self, const std::string& op, int nth, bool out_of_memory) {
+            self.inject_failure(parse_host_op(op), nth, out_of_memory);
+          },
+          py::arg("op"), py::arg("nth") = 1, py::arg("out_of_memory") = false,
+          "Make the nth future call (1 = next) of op fail: create, map, unmap, map_zero, release.")
+      .def("clear_injected_failures", &HostBackend::clear_injected_failures)
+      .def("store_allocated_bytes", &HostBackend::store_allocated_bytes)
+      .def("committed_bytes", &HostBackend::committed_bytes);
+
+  m.def("cuda_backend", &make_cuda_backend, py::arg("device_id") = 0,
+        "The CUDA driver backend of one device; RuntimeError with the plain reason if unusable.");
+
+  py::class_<FTensor, std::shared_ptr<FTensor>>(m, "FTensor")
+      .def_property_readonly("name", &FTensor::name)
+      .def_property_readonly("vaddr", &FTensor::vaddr)
+      .def_property_readonly("size", &FTensor::size)
+      .def_property_readonly("page_size", &FTensor::unit_size)
+      .def_property_readonly("backend", &FTensor::backend)
+      .def_property_readonly("num_mapped", &FTensor::num_mapped)
+      .def_property_readonly("num_quarantined", &FTensor::num_quarantined)
+      .def("is_mapped", &FTensor::is_mapped, py::arg("offset"))
+      .def("mapped_offsets", &FTensor::mapped_offsets)
+      .def("map", &FTensor::map, py::arg("offset"), Release())
+      .def("unmap", &FTensor::unmap, py::arg("offset"), Release())
+      .def("dlpack_device", [](const FTensor& self) { return dlpack_device(self); })
+      .def(
+          "to_dlpack",
+          [](const std::shared_ptr<FTensor>& self, int type_code, int bits,
+             std::vector<int64_t> shape, std::vector<int64_t> strides, uint64_t byte_offset) {
+            DLPackView view;
+            view.type_code = static_cast<uint8_t>(type_code);
+            view.bits = static_cast<uint8_t>(bits);
+            view.shape = std::move(shape);
+            view.strides = std::move(strides);
+            view.byte_offset = byte_offset;
+            PyObject* capsule = export_dlpack(self, view);
+            if (capsule == nullptr) throw py::error_already_set();
+            return py::reinterpret_steal<py::object>(capsule);
+          },
+          py::arg("type_code"), py::arg("bits"), py::arg("shape"), py::arg("strides"),
+          py::arg("byte_offset"),
+          "A 'dltensor' capsule viewing this range (strides in elements; [] = C-contiguous).");
+
+  py::class_<FTensorAllocator, std::shared_ptr<FTensorAllocator>>(m, "FTensorAllocator")
+      .def(py::init<std::shared_ptr<Backend>, size_t, bool>(), py::arg("backend"),
+           py::arg("page_size"), py::arg("contiguous"))
+      .def("create_kv_tensors", &FTensorAllocator::create_kv_tensors,
+           py::arg("bytes_per_layer_per_buffer"), py::arg("num_layers"), py::arg("num_kv_buffers"),
+           Release())
+      .def("map_pages", &FTensorAllocator::map_pages, py::arg("page_ids"), Release())
+      .def("unmap_pages", &FTensorAllocator::unmap_pages, py::arg("page_ids"), Release())
+      .def("prepare_unmap", &FTensorAllocator::prepare_unmap, py::arg("txn_id"),
+           py::arg("page_ids"), Release())
+      .def("commit_unmap", &FTensorAllocator::commit_unmap, py::arg("txn_id"), Release())
+      .def("abort_unmap", &FTensorAllocator::abort_unmap, py::arg("txn_id"), Release())
+      .def_property_readonly("pending_txn", &FTensorAllocator::pending_txn)
+      .def("mapped_page_ids", &FTensorAllocator::mapped_page_ids)
+      .def("quarantined_page_ids", &FTensorAllocator::quarantined_page_ids)
+      .def_property_readonly("num_quarantined", &FTensorAllocator::num_quarantined)
+      .def("page_targets", &FTensorAllocator::page_targets, py::arg("page_id"))
+      .def_property_readonly("num_logical_pages", &FTensorAllocator::num_logical_pages)
+      .def_property_readonly("logical_page_bytes", &FTensorAllocator::logical_page_bytes)
+      .def_property_readonly("page_size", &FTensorAllocator::page_size)
+      .def_property_readonly("contiguous", &FTensorAllocator::contiguous)
+      .def_property_readonly("tensors_created", &FTensorAllocator::tensors_created)
+      .def_property_readonly("tensors", &FTensorAllocator::tensors)
+      .def_property_readonly("backend", &FTensorAllocator::backend);
+
+  py::class_<PageAllocator, std::shared_ptr<PageAllocator>>(m, "PageAllocator")
+      .def(py::init<std::shared_ptr<FTensorAllocator>, size_t, size_t, bool>(),
+           py::arg("ftensor_allocator"), py::arg("min_reserved"), py::arg("max_reserved"),
+           py::arg("prealloc"), Release())
+      .def("alloc_pages", &PageAllocator::alloc_pages, py::arg("count"), Release())
+      .def("free_pages", &PageAllocator::free_pages, py::arg("page_ids"), Release())
+      .def("set_capacity", &PageAllocator::set_capacity, py::arg("pages"), Release())
+      .def("trim", &PageAllocator::trim, Release())
+      .def("stop", &PageAllocator::stop, Release())
+      .def("physical_free_pages", &PageAllocator::physical_free_pages, Release())
+      .def("reserved_page_ids", &PageAllocator::reserved_page_ids)
+      .def_property_readonly("ftensor_allocator", &PageAllocator::ftensor_allocator)
+      .def_property_readonly("state", &PageAllocator::state)
+      .def_property_readonly("failure_reason", &PageAllocator::failure_reason)
+      .def_property_readonly("num_free", &PageAllocator::num_free)
+      .def_property_readonly("num_reserved", &PageAllocator::num_reserved)
+      .def_property_readonly("num_in_use", &PageAllocator::num_in_use)
+      .def_property_readonly("num_quarantined", &PageAllocator::num_quarantined)
+      .def_property_readonly("capacity", &PageAllocator::capacity)
+      .def_property_readonly("num_total", &PageAllocator::num_total)
+      .def_property_readonly("min_reserved", &PageAllocator::min_reserved)
+      .def_property_readonly("max_reserved", &PageAllocator::max_reserved)
+      .def_property_readonly("reserve_hits", &PageAllocator::reserve_hits)
+      .def_property_readonly("reserve_misses", &PageAllocator::reserve_misses)
+      .def_property_readonly("map_calls", &PageAllocator::map_calls)
+      .def_property_readonly("map_ns_total", &PageAllocator::map_ns_total)
+      .def_property_readonly("unmap_calls", &PageAllocator::unmap_calls)
+      .def_property_readonly("unmap_ns_total", &PageAllocator::unmap_ns_total);
+
+  m.def(
+      "bench_raw_map",
+      [](int device_id, size_t bytes, int handles_per_step, int steps, bool zero_swap) {
+        RawMapTiming timing;
+        {
+          py::gil_scoped_release released;
+          timing = bench_raw_map(device_id, bytes, handles_per_step, steps, zero_swap);
+        }
+        py::dict result;
+        result["total_ns"] = timing.total_ns;
+        result["create_ns"] = timing.create_ns;
+        result["map_ns"] = timing.map_ns;
+        result["access_ns"] = timing.access_ns;
+        result["unmap_zero_ns"] = timing.unmap_zero_ns;
+        return result;
+      },
+      py::arg("device_id"), py::arg("bytes"), py::arg("handles_per_step"), py::arg("steps"),
+      py::arg("zero_swap") = false,
+      "Raw driver floor per step: handles_per_step x (cuMemCreate + cuMemMap + cuMemSetAccess),\n"
+      "plus the cuMemUnmap of a zero-page mapping first when zero_swap is set.");
+}

@@ -1,0 +1,69 @@
+"""Declares the native extension kvcached_core._C (project metadata lives in pyproject.toml).
+
+The extension links neither libtorch nor libcuda: it needs only the cuda.h header at build time
+(types and constants) and loads libcuda.so.1 at run time. The header is taken from $CUDA_HOME,
+/usr/local/cuda or the nvidia-cuda-runtime wheel, in that order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+SOURCES = [
+    "bindings.cpp",
+    "cuda_backend.cpp",
+    "cuda_driver.cpp",
+    "dlpack_export.cpp",
+    "ftensor.cpp",
+    "ftensor_allocator.cpp",
+    "host_backend.cpp",
+    "page_allocator.cpp",
+]
+
+
+def _wheel_cuda_include() -> Path | None:
+    try:
+        import nvidia.cuda_runtime as runtime  # the nvidia-cuda-runtime-cu12 wheel
+    except ImportError:
+        return None
+    for base in runtime.__path__:
+        candidate = Path(base) / "include"
+        if (candidate / "cuda.h").is_file():
+            return candidate
+    return None
+
+
+def cuda_include_dir() -> str:
+    candidates: list[Path] = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    wheel_dir = _wheel_cuda_include()
+    if wheel_dir is not None:
+        candidates.append(wheel_dir)
+    for candidate in candidates:
+        if (candidate / "cuda.h").is_file():
+            return str(candidate)
+    searched = ", ".join(str(c) for c in candidates) or "(none)"
+    raise SystemExit(
+        "kvcached_core: cuda.h not found (searched: "
+        f"{searched}). Set CUDA_HOME to a CUDA toolkit, or `pip install nvidia-cuda-runtime-cu12` "
+        "into the build environment. Only the header is needed; no GPU or libcuda at build time."
+    )
+
+
+extension = Pybind11Extension(
+    "kvcached_core._C",
+    sources=[str(Path("csrc") / name) for name in SOURCES],
+    include_dirs=[cuda_include_dir(), "csrc"],
+    cxx_std=17,
+    extra_compile_args=["-O2", "-Wall"],
+    libraries=["dl"],
+)
+
+setup(ext_modules=[extension], cmdclass={"build_ext": build_ext})
