@@ -1,0 +1,220 @@
+"""`kvctl`: list and limit the KV pools on this host.
+
+    kvctl list [--json] [--gc]
+    kvctl limit POOL SIZE [--revision R]
+    kvctl limit-percent POOL PCT [--revision R]
+    kvctl watch [-n SECONDS] [--count N]
+    kvctl delete POOL [--force]
+
+Records live in `--shm-dir`, else `KVCACHED_SHM_DIR`, else `/dev/shm`. Errors print one line
+to stderr and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TextIO
+
+from kvcached_core.errors import KVCachedError
+from kvcached_core.limits import (
+    LimitRecord,
+    collect_stale,
+    delete_record,
+    list_records,
+    read_record,
+    set_limit,
+    shm_dir,
+)
+from kvcached_core.settings import format_size, parse_size
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"kvctl: {message}")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvctl", description="Inspect and limit kvcached KV pools.")
+    parser.add_argument(
+        "--shm-dir", help="record directory (default: $KVCACHED_SHM_DIR or /dev/shm)"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    show = commands.add_parser("list", help="show every pool")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("--gc", action="store_true", help="remove stale records first")
+
+    limit = commands.add_parser("limit", help="set a pool's memory limit")
+    limit.add_argument("pool")
+    limit.add_argument("size", help="bytes, e.g. 512M, 2G, 1.5GiB, 1_000_000 (binary units)")
+    limit.add_argument("--revision", type=int, help="refuse if the record moved on")
+
+    percent = commands.add_parser("limit-percent", help="limit to a percentage of capacity")
+    percent.add_argument("pool")
+    percent.add_argument("percent", help="0-100")
+    percent.add_argument("--revision", type=int, help="refuse if the record moved on")
+
+    watch = commands.add_parser("watch", help="print the table repeatedly")
+    watch.add_argument("-n", "--interval", type=float, default=1.0, help="seconds between updates")
+    watch.add_argument("--count", type=int, default=0, help="stop after N updates (0: forever)")
+
+    delete = commands.add_parser("delete", help="remove a pool's record")
+    delete.add_argument("pool")
+    delete.add_argument("--force", action="store_true", help="even if its owner is alive")
+    return parser
+
+
+def _percent(used: int, limit: int) -> str:
+    return f"{100.0 * used / limit:.1f}%" if limit else "-"
+
+
+def _render_table(records: Sequence[LimitRecord]) -> str:
+    header = ("POOL", "LIMIT", "USED", "RESERVED", "USED%", "CAPACITY", "REV", "PID", "STATE")
+    rows = [header]
+    for record in records:
+        rows.append(
+            (
+                record.pool,
+                format_size(record.limit_bytes),
+                format_size(record.used_bytes),
+                format_size(record.reserved_bytes),
+                _percent(record.used_bytes, record.limit_bytes),
+                format_size(record.capacity_bytes),
+                str(record.revision),
+                str(record.owner_pid),
+                "stale" if record.stale else "live",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _record_dict(record: LimitRecord) -> dict[str, object]:
+    data: dict[str, object] = asdict(record)
+    data["stale"] = record.stale
+    return data
+
+
+def _cmd_list(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
+    if args.gc:
+        for removed in collect_stale(directory):
+            print(f"removed stale pool {removed.pool} (pid {removed.owner_pid})", file=sys.stderr)
+    records = list_records(directory)
+    if args.json:
+        json.dump([_record_dict(r) for r in records], out, indent=2)
+        out.write("\n")
+    elif records:
+        out.write(_render_table(records) + "\n")
+    else:
+        out.write(f"no pools in {directory}\n")
+    return EXIT_OK
+
+
+def _cmd_limit(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
+    try:
+        size = parse_size(args.size)
+    except ValueError as exc:
+        raise _CommandError(str(exc)) from None
+    return _apply_limit(args.pool, size, args.revision, directory, out)
+
+
+def _cmd_limit_percent(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
+    try:
+        percent = float(args.percent.rstrip("%"))
+    except ValueError:
+        raise _CommandError(f"invalid percent {args.percent!r} (a number from 0 to 100)") from None
+    if not 0 <= percent <= 100:
+        raise _CommandError(f"invalid percent {args.percent!r} (a number from 0 to 100)")
+    capacity = read_record(args.pool, directory).capacity_bytes
+    return _apply_limit(args.pool, int(capacity * percent / 100), args.revision, directory, out)
+
+
+def _apply_limit(pool: str, size: int, revision: int | None, directory: Path, out: TextIO) -> int:
+    record = set_limit(pool, size, expected_revision=revision, directory=directory)
+    note = " (clamped to capacity)" if record.limit_bytes < size else ""
+    out.write(
+        f"{pool}: limit {format_size(record.limit_bytes)}{note}, revision {record.revision}\n"
+    )
+    if record.used_bytes > record.limit_bytes:
+        out.write(
+            f"{pool}: {format_size(record.used_bytes)} in use; the pool shrinks as blocks free\n"
+        )
+    return EXIT_OK
+
+
+def _cmd_watch(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
+    if args.interval <= 0:
+        raise _CommandError(f"invalid interval {args.interval} (seconds > 0)")
+    shown = 0
+    while True:
+        records = list_records(directory)
+        out.write(time.strftime("%H:%M:%S") + "\n")
+        out.write((_render_table(records) if records else f"no pools in {directory}") + "\n\n")
+        out.flush()
+        shown += 1
+        if args.count and shown >= args.count:
+            return EXIT_OK
+        time.sleep(args.interval)
+
+
+def _cmd_delete(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
+    record = delete_record(args.pool, force=args.force, directory=directory)
+    state = "stale" if record.stale else "live"
+    out.write(f"deleted pool {record.pool} ({state}, pid {record.owner_pid})\n")
+    return EXIT_OK
+
+
+class _CommandError(Exception):
+    pass
+
+
+_COMMANDS = {
+    "list": _cmd_list,
+    "limit": _cmd_limit,
+    "limit-percent": _cmd_limit_percent,
+    "watch": _cmd_watch,
+    "delete": _cmd_delete,
+}
+
+
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
+    """Run one kvctl command; returns the exit status."""
+    stdout = out if out is not None else sys.stdout
+    try:
+        args = _build_parser().parse_args(argv)
+    except _UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    directory = shm_dir(args.shm_dir)
+    try:
+        return _COMMANDS[args.command](args, directory, stdout)
+    except (_CommandError, KVCachedError, ValueError) as exc:
+        print(f"kvctl {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

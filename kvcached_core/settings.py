@@ -1,0 +1,176 @@
+"""The settings an engine passes to kvcached_core, and how they are read from the environment.
+
+Every variable is `KVCACHED_*`; a bad value raises `KVCachedConfigError` naming the variable,
+so a typo in a deployment fails at startup instead of running with a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from kvcached_core.errors import KVCachedConfigError
+
+MIB = 1 << 20
+
+# Binary units only: "2G" and "2GiB" and "2GB" all mean 2 * 2**30.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9_]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as `512M`, `2G`, `1.5GiB`, `1_000_000` (binary units).
+
+    Raises ValueError with the reason when the text is not a whole, non-negative byte count.
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"invalid size {text!r} (examples: 512M, 2G, 1.5GiB, 1_000_000)")
+    number, unit = match.groups()
+    multiplier = _UNITS.get(unit.lower())
+    if multiplier is None:
+        raise ValueError(f"invalid size {text!r}: unknown unit {unit!r} (use B, K, M, G, T)")
+    try:
+        value = Decimal(number.replace("_", "").replace(",", "")) * multiplier
+    except InvalidOperation as exc:
+        raise ValueError(f"invalid size {text!r}") from exc
+    if value != value.to_integral_value():
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+def format_size(num_bytes: int) -> str:
+    """Human-readable binary size: 1.5GiB, 512MiB, 4096B."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}TiB"
+
+
+@dataclass(frozen=True)
+class KVCachedSettings:
+    """Runtime settings of one engine's KV pool.
+
+    `max_cached_tokens`: prefix-cache cap in tokens (< 0 unlimited, 0 disables caching).
+    """
+
+    enabled: bool = False
+    page_size: int = 2 * MIB
+    contiguous_layout: bool = False
+    min_reserved_pages: int = 5
+    max_reserved_pages: int = 10
+    prealloc: bool = True
+    physical_limit_bytes: int | None = None
+    max_cached_tokens: int = 16000
+    defer_physical_release: bool = False
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size % 4096:
+            raise KVCachedConfigError(
+                f"page_size must be a positive multiple of 4096 bytes, got {self.page_size}"
+            )
+        if self.min_reserved_pages < 0 or self.max_reserved_pages < 0:
+            raise KVCachedConfigError("min_reserved_pages and max_reserved_pages must be >= 0")
+        if self.min_reserved_pages > self.max_reserved_pages:
+            raise KVCachedConfigError(
+                f"min_reserved_pages ({self.min_reserved_pages}) exceeds "
+                f"max_reserved_pages ({self.max_reserved_pages})"
+            )
+        if self.physical_limit_bytes is not None and self.physical_limit_bytes < 0:
+            raise KVCachedConfigError("physical_limit_bytes must be >= 0")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KVCachedSettings:
+        """Read `KVCACHED_*` variables (unset ones keep their defaults)."""
+        env = os.environ if environ is None else environ
+        defaults = cls()
+        reserved_min = _int(env, "KVCACHED_MIN_RESERVED_PAGES", defaults.min_reserved_pages)
+        reserved_max = _int(env, "KVCACHED_MAX_RESERVED_PAGES", defaults.max_reserved_pages)
+        if reserved_min < 0:
+            raise KVCachedConfigError(
+                f"KVCACHED_MIN_RESERVED_PAGES must be >= 0, got {reserved_min}"
+            )
+        if reserved_max < reserved_min:
+            raise KVCachedConfigError(
+                f"KVCACHED_MAX_RESERVED_PAGES={reserved_max} is below "
+                f"KVCACHED_MIN_RESERVED_PAGES={reserved_min}"
+            )
+        page_size = _size(env, "KVCACHED_PAGE_SIZE", defaults.page_size)
+        if page_size is None or page_size <= 0 or page_size % 4096:
+            raise KVCachedConfigError(
+                f"KVCACHED_PAGE_SIZE must be a positive multiple of 4096 bytes, got {page_size}"
+            )
+        layout = env.get("KVCACHED_LAYOUT", "per-layer").strip().lower()
+        if layout not in ("per-layer", "contiguous"):
+            raise KVCachedConfigError(
+                f"KVCACHED_LAYOUT must be 'per-layer' or 'contiguous', got {layout!r}"
+            )
+        return cls(
+            enabled=_flag(env, "KVCACHED_ENABLE", defaults.enabled),
+            page_size=page_size,
+            contiguous_layout=layout == "contiguous",
+            min_reserved_pages=reserved_min,
+            max_reserved_pages=reserved_max,
+            prealloc=_flag(env, "KVCACHED_PREALLOC", defaults.prealloc),
+            physical_limit_bytes=_size(env, "KVCACHED_PHYSICAL_LIMIT", None),
+            max_cached_tokens=_int(env, "KVCACHED_MAX_CACHED_TOKENS", defaults.max_cached_tokens),
+            defer_physical_release=_flag(
+                env, "KVCACHED_DEFER_PHYSICAL_RELEASE", defaults.defer_physical_release
+            ),
+        )
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise KVCachedConfigError(f"{name} must be a boolean (1/0, true/false, yes/no), got {raw!r}")
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw.strip().replace("_", ""))
+    except ValueError:
+        raise KVCachedConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _size(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        raise KVCachedConfigError(f"{name}: {exc}") from None
