@@ -4,8 +4,12 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "cuda_backend.hpp"
 #include "cuda_driver.hpp"
@@ -15,6 +19,7 @@
 #include "ftensor_allocator.hpp"
 #include "host_backend.hpp"
 #include "page_allocator.hpp"
+#include "page_mapper.hpp"
 
 namespace py = pybind11;
 using namespace kvcached;  // NOLINT(build/namespaces)
@@ -51,6 +56,99 @@ void register_error_translation() {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
+}
+
+// A Python exception raised by a PageMapper override, as the C++ error of the same meaning, so
+// that the PageAllocator (and its refill thread) react to it exactly as to a local failure.
+[[noreturn]] void throw_as_native(py::error_already_set& error, const char* method) {
+  const std::string message =
+      std::string("page mapper ") + method + ": " + py::str(error.value()).cast<std::string>();
+  if (error.matches(g_pool_exhausted)) throw OutOfMemoryError(message);
+  if (error.matches(g_map_quarantined)) throw QuarantineError(message);
+  if (error.matches(g_state_consistency)) throw StateError(message);
+  if (error.matches(g_config_error)) throw ConfigError(message);
+  throw BackendError(message);  // any other failure: the mapper rolled back cleanly
+}
+
+// Trampoline for PageMapper subclasses written in Python. The GIL is taken only for the call
+// itself; callers (the PageAllocator) hold none of their own locks while calling.
+class PyPageMapper : public PageMapper {
+ public:
+  std::vector<int64_t> map_pages(const std::vector<int64_t>& page_ids) override {
+    return call<std::vector<int64_t>>("map_pages", page_ids);
+  }
+  void unmap_pages(const std::vector<int64_t>& page_ids) override {
+    call<void>("unmap_pages", page_ids);
+  }
+  void prepare_unmap(int64_t txn_id, const std::vector<int64_t>& page_ids) override {
+    call<void>("prepare_unmap", txn_id, page_ids);
+  }
+  void commit_unmap(int64_t txn_id) override { call<void>("commit_unmap", txn_id); }
+  void abort_unmap(int64_t txn_id) override { call<void>("abort_unmap", txn_id); }
+  std::optional<int64_t> pending_txn() const override {
+    return call<std::optional<int64_t>>("pending_txn");
+  }
+  std::vector<int64_t> mapped_page_ids() const override {
+    return call<std::vector<int64_t>>("mapped_page_ids");
+  }
+  std::vector<int64_t> quarantined_page_ids() const override {
+    return call<std::vector<int64_t>>("quarantined_page_ids");
+  }
+  size_t num_logical_pages() const override { return call<size_t>("num_logical_pages"); }
+  size_t logical_page_bytes() const override { return call<size_t>("logical_page_bytes"); }
+  bool tensors_created() const override { return call<bool>("tensors_created"); }
+  size_t physical_free_pages() const override { return call<size_t>("physical_free_pages"); }
+
+ private:
+  template <typename Result, typename... Args>
+  Result call(const char* method, Args&&... args) const {
+    py::gil_scoped_acquire gil;
+    py::function override = py::get_override(static_cast<const PageMapper*>(this), method);
+    if (!override) {
+      throw ConfigError(std::string("PageMapper subclass does not implement ") + method);
+    }
+    try {
+      py::object result = override(std::forward<Args>(args)...);
+      if constexpr (std::is_void_v<Result>) {
+        return;
+      } else {
+        return result.template cast<Result>();
+      }
+    } catch (py::error_already_set& error) {
+      throw_as_native(error, method);
+    } catch (const py::cast_error& error) {
+      throw StateError(std::string("page mapper ") + method + " returned a value of the wrong " +
+                       "type: " + error.what());
+    }
+  }
+};
+
+// A PageMapper for the PageAllocator to hold. A Python subclass lives in its Python object: the
+// returned pointer keeps that object alive and lets it go under the GIL.
+std::shared_ptr<PageMapper> hold_mapper(const py::object& mapper) {
+  auto native = mapper.cast<std::shared_ptr<PageMapper>>();
+  if (dynamic_cast<PyPageMapper*>(native.get()) == nullptr) return native;
+  struct Owner {
+    py::object python;
+    std::shared_ptr<PageMapper> native;
+  };
+  auto* owner = new Owner{mapper, native};
+  return std::shared_ptr<PageMapper>(native.get(), [owner](PageMapper*) {
+    if (!Py_IsInitialized()) return;  // interpreter gone: nothing left to release safely
+    py::gil_scoped_acquire gil;
+    delete owner;
+  });
+}
+
+// Destroys a PageAllocator without the GIL: its refill thread may be waiting for the GIL inside
+// a Python mapper, and the destructor joins that thread.
+void delete_page_allocator(PageAllocator* allocator) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release released;
+    delete allocator;
+  } else {
+    delete allocator;
+  }
 }
 
 std::shared_ptr<Backend> make_cuda_backend(int device_id) {
@@ -142,7 +240,15 @@ PYBIND11_MODULE(_C, m) {
           py::arg("byte_offset"),
           "A 'dltensor' capsule viewing this range (strides in elements; [] = C-contiguous).");
 
-  py::class_<FTensorAllocator, std::shared_ptr<FTensorAllocator>>(m, "FTensorAllocator")
+  py::class_<PageMapper, PyPageMapper, std::shared_ptr<PageMapper>>(
+      m, "PageMapper",
+      "How a PageAllocator maps logical pages: an FTensorAllocator, or a Python subclass that "
+      "implements every method (map_pages, unmap_pages, prepare_unmap, commit_unmap, "
+      "abort_unmap, pending_txn, mapped_page_ids, quarantined_page_ids, num_logical_pages, "
+      "logical_page_bytes, tensors_created, physical_free_pages).")
+      .def(py::init<>());
+
+  py::class_<FTensorAllocator, PageMapper, std::shared_ptr<FTensorAllocator>>(m, "FTensorAllocator")
       .def(py::init<std::shared_ptr<Backend>, size_t, bool>(), py::arg("backend"),
            py::arg("page_size"), py::arg("contiguous"))
       .def("create_kv_tensors", &FTensorAllocator::create_kv_tensors,
@@ -165,12 +271,23 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("contiguous", &FTensorAllocator::contiguous)
       .def_property_readonly("tensors_created", &FTensorAllocator::tensors_created)
       .def_property_readonly("tensors", &FTensorAllocator::tensors)
+      .def("physical_free_pages", &FTensorAllocator::physical_free_pages, Release())
       .def_property_readonly("backend", &FTensorAllocator::backend);
 
   py::class_<PageAllocator, std::shared_ptr<PageAllocator>>(m, "PageAllocator")
-      .def(py::init<std::shared_ptr<FTensorAllocator>, size_t, size_t, bool>(),
-           py::arg("ftensor_allocator"), py::arg("min_reserved"), py::arg("max_reserved"),
-           py::arg("prealloc"), Release())
+      .def(py::init([](const py::object& mapper, size_t min_reserved, size_t max_reserved,
+                       bool prealloc, bool adopt_mapped) {
+             std::shared_ptr<PageMapper> held = hold_mapper(mapper);
+             PageAllocator* allocator = nullptr;
+             {
+               py::gil_scoped_release released;  // the mapper may call back into Python
+               allocator =
+                   new PageAllocator(held, min_reserved, max_reserved, prealloc, adopt_mapped);
+             }
+             return std::shared_ptr<PageAllocator>(allocator, &delete_page_allocator);
+           }),
+           py::arg("mapper"), py::arg("min_reserved"), py::arg("max_reserved"),
+           py::arg("prealloc"), py::arg("adopt_mapped") = false)
       .def("alloc_pages", &PageAllocator::alloc_pages, py::arg("count"), Release())
       .def("free_pages", &PageAllocator::free_pages, py::arg("page_ids"), Release())
       .def("set_capacity", &PageAllocator::set_capacity, py::arg("pages"), Release())
@@ -178,7 +295,9 @@ PYBIND11_MODULE(_C, m) {
       .def("stop", &PageAllocator::stop, Release())
       .def("physical_free_pages", &PageAllocator::physical_free_pages, Release())
       .def("reserved_page_ids", &PageAllocator::reserved_page_ids)
-      .def_property_readonly("ftensor_allocator", &PageAllocator::ftensor_allocator)
+      .def_property_readonly("ftensor_allocator", &PageAllocator::ftensor_allocator,
+                             "The local FTensorAllocator (None when a broadcast maps the pages).")
+      .def_property_readonly("mapper", &PageAllocator::mapper)
       .def_property_readonly("state", &PageAllocator::state)
       .def_property_readonly("failure_reason", &PageAllocator::failure_reason)
       .def_property_readonly("num_free", &PageAllocator::num_free)

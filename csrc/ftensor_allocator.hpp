@@ -24,10 +24,11 @@
 
 #include "backend.hpp"
 #include "ftensor.hpp"
+#include "page_mapper.hpp"
 
 namespace kvcached {
 
-class FTensorAllocator {
+class FTensorAllocator : public PageMapper {
  public:
   FTensorAllocator(std::shared_ptr<Backend> backend, size_t page_size, bool contiguous);
 
@@ -37,31 +38,35 @@ class FTensorAllocator {
   // All or nothing. Returns the ids that were not mapped before (already mapped ids are skipped).
   // Throws OutOfMemoryError / BackendError after a clean rollback, QuarantineError when the
   // rollback was uncertain (those ids are quarantined), StateError on a protocol violation.
-  std::vector<int64_t> map_pages(const std::vector<int64_t>& page_ids);
+  std::vector<int64_t> map_pages(const std::vector<int64_t>& page_ids) override;
   // Every id must be mapped. A failure is a StateError (the id is quarantined).
-  void unmap_pages(const std::vector<int64_t>& page_ids);
+  void unmap_pages(const std::vector<int64_t>& page_ids) override;
 
   // Two-phase unmap: prepare unmaps to the zero page and retains the physical pages; commit
   // releases them, abort maps them back. Finished ids are remembered (last 64) so that repeated
   // commits/aborts are no-ops and a prepare that arrives after its abort is rejected.
-  void prepare_unmap(int64_t txn_id, const std::vector<int64_t>& page_ids);
-  void commit_unmap(int64_t txn_id);
-  void abort_unmap(int64_t txn_id);
-  std::optional<int64_t> pending_txn() const;
+  void prepare_unmap(int64_t txn_id, const std::vector<int64_t>& page_ids) override;
+  void commit_unmap(int64_t txn_id) override;
+  void abort_unmap(int64_t txn_id) override;
+  std::optional<int64_t> pending_txn() const override;
 
-  std::vector<int64_t> mapped_page_ids() const;
-  std::vector<int64_t> quarantined_page_ids() const;
+  std::vector<int64_t> mapped_page_ids() const override;
+  std::vector<int64_t> quarantined_page_ids() const override;
   size_t num_quarantined() const;
   // (tensor index, byte offset) of every unit logical page `page_id` maps.
   std::vector<std::pair<size_t, size_t>> page_targets(int64_t page_id) const;
 
-  size_t num_logical_pages() const;
-  size_t logical_page_bytes() const;
+  size_t num_logical_pages() const override;
+  size_t logical_page_bytes() const override;
   size_t page_size() const { return page_size_; }
   bool contiguous() const { return contiguous_; }
-  bool tensors_created() const;
+  bool tensors_created() const override;
   std::vector<std::shared_ptr<FTensor>> tensors() const;
   const std::shared_ptr<Backend>& backend() const { return backend_; }
+  size_t physical_free_pages() const override {
+    const size_t bytes = logical_page_bytes();
+    return bytes == 0 ? 0 : backend_->physical_free_bytes() / bytes;
+  }
 
   static constexpr size_t kTxnHistory = 64;
 

@@ -14,11 +14,16 @@ uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
                                    .count());
 }
 
+std::shared_ptr<PageMapper> require_mapper(std::shared_ptr<PageMapper> mapper) {
+  if (!mapper) throw ConfigError("a PageAllocator needs a page mapper (an FTensorAllocator)");
+  return mapper;
+}
+
 }  // namespace
 
-PageAllocator::PageAllocator(std::shared_ptr<FTensorAllocator> allocator, size_t min_reserved,
-                             size_t max_reserved, bool prealloc)
-    : allocator_(std::move(allocator)),
+PageAllocator::PageAllocator(std::shared_ptr<PageMapper> mapper, size_t min_reserved,
+                             size_t max_reserved, bool prealloc, bool adopt_mapped)
+    : allocator_(require_mapper(std::move(mapper))),
       num_total_(allocator_->num_logical_pages()),
       min_reserved_(std::min(min_reserved, num_total_)),
       max_reserved_(std::min(max_reserved, num_total_)),
@@ -30,11 +35,44 @@ PageAllocator::PageAllocator(std::shared_ptr<FTensorAllocator> allocator, size_t
     throw ConfigError("min_reserved (" + std::to_string(min_reserved) +
                       ") must not exceed max_reserved (" + std::to_string(max_reserved) + ")");
   }
-  if (!allocator_->mapped_page_ids().empty() || allocator_->pending_txn()) {
-    throw ConfigError("a PageAllocator needs an FTensorAllocator with no page mapped yet");
+  if (auto txn = allocator_->pending_txn()) {
+    throw ConfigError("a PageAllocator needs a page mapper with no unmap transaction pending "
+                      "(transaction " + std::to_string(*txn) + " is)");
+  }
+  std::vector<int64_t> mapped = allocator_->mapped_page_ids();
+  if (!mapped.empty() && !adopt_mapped) {
+    throw ConfigError("a PageAllocator needs an FTensorAllocator with no page mapped yet (" +
+                      std::to_string(mapped.size()) +
+                      " mapped; pass adopt_mapped=True to take them over)");
   }
   in_use_.assign(num_total_, false);
-  for (size_t id = 0; id < num_total_; ++id) free_.insert(static_cast<int64_t>(id));
+  auto check_id = [this](int64_t id, const char* what) {
+    if (id < 0 || static_cast<size_t>(id) >= num_total_) {
+      throw StateError(std::string("the page mapper reports ") + what + " page id " +
+                       std::to_string(id) + " outside [0, " + std::to_string(num_total_) + ")");
+    }
+  };
+  for (int64_t id : allocator_->quarantined_page_ids()) {
+    check_id(id, "quarantined");
+    quarantined_.insert(id);
+  }
+  std::sort(mapped.begin(), mapped.end());
+  mapped.erase(std::unique(mapped.begin(), mapped.end()), mapped.end());
+  std::vector<int64_t> excess;
+  for (int64_t id : mapped) {
+    check_id(id, "mapped");
+    if (reserved_.size() < max_reserved_) {
+      reserved_.insert(id);
+    } else {
+      excess.push_back(id);
+    }
+  }
+  // Adopted pages beyond what the reserve may hold go back now, before any thread starts.
+  if (!excess.empty()) allocator_->unmap_pages(excess);
+  for (size_t id = 0; id < num_total_; ++id) {
+    const auto page = static_cast<int64_t>(id);
+    if (reserved_.count(page) == 0 && quarantined_.count(page) == 0) free_.insert(page);
+  }
   refill_requested_ = prealloc && min_reserved_ > 0;
   refill_thread_ = std::thread([this] { refill_loop(); });
 }
@@ -79,9 +117,15 @@ std::vector<int64_t> PageAllocator::take_lowest_locked(std::set<int64_t>* from, 
   return taken;
 }
 
-std::vector<int64_t> PageAllocator::newly_quarantined_locked(
+std::vector<int64_t> PageAllocator::quarantined_among(
     const std::vector<int64_t>& candidates) const {
-  std::vector<int64_t> all = allocator_->quarantined_page_ids();
+  std::vector<int64_t> all;
+  try {
+    all = allocator_->quarantined_page_ids();
+  } catch (const std::exception&) {
+    return candidates;  // the mapper cannot say which ones: none of them is trusted again
+  }
+  std::sort(all.begin(), all.end());
   std::vector<int64_t> hit;
   for (int64_t id : candidates) {
     if (std::binary_search(all.begin(), all.end(), id)) hit.push_back(id);
@@ -164,8 +208,12 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t count) {
   if (!fresh.empty()) {
     lock.unlock();
     std::exception_ptr failure;
+    std::vector<int64_t> lost;
     try {
       timed_map(fresh);
+    } catch (const QuarantineError&) {
+      failure = std::current_exception();
+      lost = quarantined_among(fresh);  // before taking mutex_: the mapper may be remote
     } catch (...) {
       failure = std::current_exception();
     }
@@ -175,7 +223,6 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t count) {
       num_in_use_ -= count;
       for (int64_t id : from_reserve) in_use_[static_cast<size_t>(id)] = false;
       reserved_.insert(from_reserve.begin(), from_reserve.end());
-      std::vector<int64_t> lost = newly_quarantined_locked(fresh);
       for (int64_t id : fresh) {
         if (std::find(lost.begin(), lost.end(), id) == lost.end()) free_.insert(id);
       }
@@ -273,7 +320,12 @@ void PageAllocator::refill_loop() {
     if (failed_ || reserved_.size() >= min_reserved_) continue;
 
     lock.unlock();
-    const size_t physical = physical_free_pages();  // a driver query: not under mutex_
+    size_t physical = 0;
+    try {
+      physical = physical_free_pages();  // a driver (or worker) query: not under mutex_
+    } catch (const std::exception&) {
+      physical = 0;  // unknown: no refill this round; the next trigger asks again
+    }
     lock.lock();
     if (stopping_) return;
     const size_t held = num_in_use_ + reserved_.size();
@@ -287,11 +339,12 @@ void PageAllocator::refill_loop() {
 
     std::string fatal;
     bool mapped = false;
+    std::vector<int64_t> lost;
     try {
       timed_map(batch);
       mapped = true;
     } catch (const QuarantineError&) {
-      // handled below: the quarantined ids are looked up, the rest go back to free_
+      lost = quarantined_among(batch);  // the rest go back to free_ below
     } catch (const StateError& error) {
       fatal = error.what();
     } catch (const std::exception&) {
@@ -301,7 +354,6 @@ void PageAllocator::refill_loop() {
     if (mapped) {
       reserved_.insert(batch.begin(), batch.end());
     } else {
-      std::vector<int64_t> lost = newly_quarantined_locked(batch);
       for (int64_t id : batch) {
         if (std::find(lost.begin(), lost.end(), id) == lost.end()) free_.insert(id);
       }
@@ -313,10 +365,7 @@ void PageAllocator::refill_loop() {
   }
 }
 
-size_t PageAllocator::physical_free_pages() const {
-  const size_t page_bytes = allocator_->logical_page_bytes();
-  return page_bytes == 0 ? 0 : allocator_->backend()->physical_free_bytes() / page_bytes;
-}
+size_t PageAllocator::physical_free_pages() const { return allocator_->physical_free_pages(); }
 
 std::string PageAllocator::state() const {
   std::lock_guard<std::mutex> lock(mutex_);

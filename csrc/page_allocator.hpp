@@ -1,4 +1,8 @@
-// PageAllocator: which logical pages of one FTensorAllocator are free, reserved or in use.
+// PageAllocator: which logical pages of one PageMapper are free, reserved or in use.
+//
+// The PageMapper is this process's FTensorAllocator, or a broadcast to the worker processes
+// that own the tensors (kvcached_core.ipc). It is never called under mutex_: a Python mapper
+// takes the GIL, and a Python thread holding the GIL may be waiting for mutex_.
 //
 // States of a logical page id (each id is in exactly one place, under mutex_):
 //   free_          unmapped, available
@@ -25,13 +29,17 @@
 #include <vector>
 
 #include "ftensor_allocator.hpp"
+#include "page_mapper.hpp"
 
 namespace kvcached {
 
 class PageAllocator {
  public:
-  PageAllocator(std::shared_ptr<FTensorAllocator> allocator, size_t min_reserved,
-                size_t max_reserved, bool prealloc);
+  // The mapper must have no transaction pending. Pages it already maps are refused (ConfigError)
+  // unless adopt_mapped is set: then they join the reserve pool (lowest ids, up to
+  // max_reserved) and the rest are unmapped here. Its quarantined pages are never handed out.
+  PageAllocator(std::shared_ptr<PageMapper> mapper, size_t min_reserved, size_t max_reserved,
+                bool prealloc, bool adopt_mapped = false);
   ~PageAllocator();
   PageAllocator(const PageAllocator&) = delete;
   PageAllocator& operator=(const PageAllocator&) = delete;
@@ -59,7 +67,11 @@ class PageAllocator {
   size_t min_reserved() const { return min_reserved_; }
   size_t max_reserved() const { return max_reserved_; }
   std::vector<int64_t> reserved_page_ids() const;
-  const std::shared_ptr<FTensorAllocator>& ftensor_allocator() const { return allocator_; }
+  const std::shared_ptr<PageMapper>& mapper() const { return allocator_; }
+  // The local FTensorAllocator, or nullptr when the pages are mapped elsewhere.
+  std::shared_ptr<FTensorAllocator> ftensor_allocator() const {
+    return std::dynamic_pointer_cast<FTensorAllocator>(allocator_);
+  }
 
   uint64_t reserve_hits() const { return reserve_hits_.load(std::memory_order_relaxed); }
   uint64_t reserve_misses() const { return reserve_misses_.load(std::memory_order_relaxed); }
@@ -78,11 +90,12 @@ class PageAllocator {
   // Unmaps `ids` (counted in unmapping_, outside mutex_), then returns them to free_; a failure
   // fails the pool and throws StateError.
   void unmap_to_free(const std::vector<int64_t>& ids);
-  // Ids of `candidates` that the FTensorAllocator quarantined. Caller holds mutex_.
-  std::vector<int64_t> newly_quarantined_locked(const std::vector<int64_t>& candidates) const;
+  // Ids of `candidates` that the mapper quarantined (all of them when it cannot tell).
+  // Called WITHOUT mutex_ (the mapper may be remote).
+  std::vector<int64_t> quarantined_among(const std::vector<int64_t>& candidates) const;
   std::vector<int64_t> take_lowest_locked(std::set<int64_t>* from, size_t count);
 
-  const std::shared_ptr<FTensorAllocator> allocator_;
+  const std::shared_ptr<PageMapper> allocator_;
   const size_t num_total_;
   const size_t min_reserved_;
   const size_t max_reserved_;
