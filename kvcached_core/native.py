@@ -19,6 +19,7 @@ HostBackend = _C.HostBackend
 FTensor = _C.FTensor
 FTensorAllocator = _C.FTensorAllocator
 PageAllocator = _C.PageAllocator
+PageMapper = _C.PageMapper
 
 # DLPack type codes (dlpack.h): int, uint, float, bfloat, bool.
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
