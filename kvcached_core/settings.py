@@ -74,7 +74,9 @@ class KVCachedSettings:
     `max_cached_tokens`: prefix-cache cap in tokens (< 0 unlimited, 0 disables caching).
     """
 
-    enabled: bool = False
+    # Only patched engines read these settings, and a patched engine is elastic unless told
+    # otherwise (`KVCACHED_ENABLE=0` makes it behave exactly as the stock engine).
+    enabled: bool = True
     page_size: int = 2 * MIB
     contiguous_layout: bool = False
     min_reserved_pages: int = 5
