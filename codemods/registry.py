@@ -23,6 +23,13 @@ from unidiff.errors import UnidiffParseError
 
 from codemods.base import HitCountingCodemod
 from codemods.provenance import WriteProvenanceModule
+from codemods.sglang.allocator_paged import ElasticPagedAllocator
+from codemods.sglang.allocator_token import ElasticTokenAllocator
+from codemods.sglang.capacity import KVBudgetCapacity
+from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
+from codemods.sglang.pool_mha import ElasticMHAPool
+from codemods.sglang.pool_mla import ElasticMLAPool
+from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
 from forge.errors import TransformError
 
 ANY_ENGINE = "*"
@@ -267,6 +274,275 @@ CODEMODS: list[Transform] = [
         codemod=WriteProvenanceModule,
         forwarded="not-needed",
         last_update="2026-11-30",
+    ),
+]
+
+
+# --- SGLang (cell sglang-0.5, 0.5.23) ---------------------------------------------------------
+# Elastic allocators and pools are subclasses appended to their defining modules (so every
+# module importing the name gets them), rebound only with KVCACHED_ENABLE=1.
+#
+# The scheduler's memory-leak invariant (invariant_checker.py: available + evictable +
+# protected + session_held (+ uncached) == max_total_num_tokens) is kept true by the allocator,
+# not by rewriting the checker: the elastic allocators report the LOGICAL free capacity
+# (SGLang pages not held, times page_size), which is exactly what the stock free lists report,
+# so the checker, the prefill budget and eviction see the numbers they always did. This is
+# sound because the pools are sized from the kvcached budget (sglang-kv-budget): every token
+# the scheduler admits can be mapped. What it gives up: a shared limit lowered below the
+# engine's capacity at run time (kvctl) is not seen by the scheduler; an allocation the ledger
+# then refuses returns None and takes SGLang's out-of-memory path. Honouring run-time limits
+# would need a physical available_size plus a checker transform.
+
+_SGLANG_05 = ">=0.5.23,<0.5.24"
+_SGLANG_DATE = "2026-11-30"
+
+CODEMODS += [
+    codemod(
+        id="sglang-token-allocator",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator",
+        targets=["{package}/srt/mem_cache/allocator/token.py"],
+        expected_hits=1,
+        why="Page-size-1 slots must come from the kvcached ledger so KV pages map on demand "
+            "and unmap when empty; rebinding in the defining module reaches the 4 modules "
+            "that capture the name (allocator/__init__, swa, kv_cache_configurator, mlx).",
+        retire_when="SGLang lets a platform supply the page-size-1 allocator (0.5.23 "
+                    "hard-codes TokenToKVPoolAllocator in kv_cache_configurator.py).",
+        codemod=ElasticTokenAllocator,
+        forwarded="no",
+        last_update=_SGLANG_DATE,
+    ),
+    codemod(
+        id="sglang-paged-allocator",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator",
+        targets=["{package}/srt/mem_cache/allocator/paged.py"],
+        expected_hits=1,
+        why="Paged extend/decode must take their new pages from the kvcached ledger (SGLang's "
+            "own location kernels still place the tokens); every free path ends in "
+            "_release_page_ids, which returns pages to the ledger.",
+        retire_when="An out-of-tree platform allocator (get_paged_allocator_cls) is honoured "
+                    "for every construction site and can be shipped as a plugin.",
+        codemod=ElasticPagedAllocator,
+        forwarded="no",
+        last_update=_SGLANG_DATE,
+    ),
+    codemod(
+        id="sglang-mha-pool",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
+        targets=["{package}/srt/mem_cache/memory_pool.py"],
+        expected_hits=1,
+        why="The fused per-layer (2, rows, H, D) K/V buffers of 0.5.23 must be views of "
+            "VMM-backed tensors (same shapes and strides, data pointers fixed for the pool's "
+            "life); quantized, HND and post-capture layouts are refused.",
+        retire_when="SGLang's kv_vmm_backing can unmap by allocator page, or "
+                    "get_kv_pool_cls('mha') covers every MHA construction site.",
+        codemod=ElasticMHAPool,
+        forwarded="no",
+        last_update=_SGLANG_DATE,
+    ),
+    codemod(
+        id="sglang-mla-pool",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool._create_buffers",
+        targets=["{package}/srt/mem_cache/memory_pool.py"],
+        expected_hits=1,
+        why="MLA latent buffers (rows, 1, kv_lora_rank + rope) must be views of VMM-backed "
+            "tensors like the MHA ones.",
+        retire_when="get_kv_pool_cls('mla') is honoured and can be shipped as a plugin.",
+        codemod=ElasticMLAPool,
+        forwarded="no",
+        last_update=_SGLANG_DATE,
+    ),
+    codemod(
+        id="sglang-kv-budget",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+               "._profile_available_bytes (each return)",
+        targets=["{package}/srt/mem_cache/kv_cache_configurator.py"],
+        expected_hits=1,
+        why="Pool capacity must come from the kvcached budget (KVCACHED_PHYSICAL_LIMIT), so "
+            "the logical capacity the allocator reports can always be backed.",
+        retire_when="SGLang accepts a KV byte budget from a platform hook.",
+        codemod=KVBudgetCapacity,
+        forwarded="no",
+        last_update=_SGLANG_DATE,
+    ),
+    codemod(
+        id="sglang-refuse-unsupported",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+        targets=["{package}/srt/mem_cache/kv_cache_configurator.py"],
+        expected_hits=1,
+        why="The memory saver, custom memory pools, post-capture KV sizing and hybrid pools "
+            "own or resize KV memory themselves; with elastic memory they must stop start-up "
+            "with a clear message instead of failing later.",
+        retire_when="Each of those paths is made elastic.",
+        codemod=RefuseUnsupportedAtConfigure,
+        forwarded="not-needed",
+        last_update=_SGLANG_DATE,
+    ),
+    codemod(
+        id="sglang-prefix-cache-bound",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.common.release_kv_cache",
+        targets=["{package}/srt/mem_cache/common.py"],
+        expected_hits=1,
+        why="A finished request's KV stays in the prefix cache (UnifiedRadixCache or "
+            "RadixCache) and pins its pages; bounding the evictable part after every release "
+            "lets idle memory return to the pool.",
+        retire_when="SGLang offers a prefix-cache size cap.",
+        codemod=BoundPrefixCacheOnRelease,
+        forwarded="no",
+        last_update=_SGLANG_DATE,
+    ),
+]
+# --- end of SGLang ----------------------------------------------------------------------------
+
+
+# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, vllm-0.32) ---------------------
+# One transform set; where vLLM versions differ, the registry selects the codemod by version
+# range and the rewritten call site passes what differs. The adapter they call is
+# kvcached_core/integration/vllm.
+
+from codemods.vllm import allocate_slots as _vllm_allocate_slots  # noqa: E402
+from codemods.vllm import block_pool as _vllm_block_pool  # noqa: E402
+from codemods.vllm import engine_core as _vllm_engine_core  # noqa: E402
+from codemods.vllm import kv_buffers as _vllm_kv_buffers  # noqa: E402
+
+_VLLM_REVIEWED = "2026-12-01"
+
+CODEMODS += [
+    codemod(
+        id="vllm-block-pool",
+        engine="vllm",
+        versions=">=0.9.2,<0.33",
+        anchor="vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.__init__: BlockPool(...)",
+        targets=["{package}/v1/core/kv_cache_coordinator.py"],
+        expected_hits=1,
+        why="The scheduler's blocks must be physically backed page by page by kvcached_core: "
+            "the coordinator builds the adapter's elastic subclass of the BlockPool class it "
+            "passes in (prefix caching, eviction order and KV events stay vLLM's own).",
+        retire_when="vLLM lets a plugin choose the BlockPool class (a block-pool factory or "
+                    "registry in KVCacheCoordinator), so the class can be configured instead.",
+        codemod=_vllm_block_pool.ElasticBlockPoolConstruction,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-allocate-slots-race",
+        engine="vllm",
+        versions=">=0.9.2,<0.33",
+        anchor="vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots (decorator)",
+        targets=["{package}/v1/core/kv_cache_manager.py"],
+        expected_hits=1,
+        why="Another engine may take the last physical page between the capacity check and the "
+            "allocation; PoolExhausted must end as a rolled-back None (preempt or wait), while "
+            "every other error stays fatal.",
+        retire_when="vLLM's allocate_slots treats an allocation failure of the block pool as "
+                    "'no free blocks' and rolls back partial group allocations itself.",
+        codemod=_vllm_allocate_slots.NoneOnPoolExhausted,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-engine-step-release",
+        engine="vllm",
+        versions=">=0.9.2,<0.33",
+        anchor="vllm.v1.engine.core.EngineCore.step, EngineCore.step_with_batch_queue "
+               "(decorators)",
+        targets=["{package}/v1/engine/core.py"],
+        expected_hits=2,
+        why="Pages may be unmapped only after every queued batch that may read them finished: "
+            "idle pages are retired and released by epoch at the end of each engine step, and "
+            "the prefix cache is trimmed page-aware so idle memory returns.",
+        retire_when="vLLM offers a post-step hook for the scheduler/block pool (or releases "
+                    "blocks through a completion fence itself).",
+        codemod=_vllm_engine_core.ReleasePagesAfterStep,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-engine-shutdown",
+        engine="vllm",
+        versions=">=0.9.2,<0.33",
+        anchor="vllm.v1.engine.core.EngineCore.shutdown (decorator)",
+        targets=["{package}/v1/engine/core.py"],
+        expected_hits=1,
+        why="Shutdown must release every page and remove the pool's shared-memory limit record.",
+        retire_when="vLLM calls a KV-cache allocator's close hook on shutdown.",
+        codemod=_vllm_engine_core.ClosePoolOnShutdown,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-kv-budget",
+        engine="vllm",
+        versions=">=0.9.2,<0.10.2",
+        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
+               "self.model_executor.determine_available_memory()",
+        targets=["{package}/v1/engine/core.py"],
+        expected_hits=1,
+        why="The virtual KV size (what vLLM sizes its block table from) and the physical limit "
+            "are separate kvcached settings; num_gpu_blocks_override wins; blocks are rounded "
+            "to whole kvcached pages; multi-process workers are refused at start.",
+        retire_when="Never for this range: it predates kv_cache_memory_bytes (0.10.2).",
+        codemod=_vllm_engine_core.KVCacheBudget,
+        forwarded="not-needed",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-kv-budget-user-bytes",
+        engine="vllm",
+        versions=">=0.10.2,<0.33",
+        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
+               "self.model_executor.determine_available_memory()",
+        targets=["{package}/v1/engine/core.py"],
+        expected_hits=1,
+        why="As vllm-kv-budget, and the user's kv_cache_memory_bytes (new in 0.10.2) wins too.",
+        retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
+                    "the virtual size through it).",
+        codemod=_vllm_engine_core.KVCacheBudgetWithUserBytes,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-kv-buffers-per-layer",
+        engine="vllm",
+        versions=">=0.9.2,<0.12",
+        anchor="vllm.v1.worker.gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors: "
+               "torch.zeros(..., dtype=torch.int8, ...)",
+        targets=["{package}/v1/worker/gpu_model_runner.py"],
+        expected_hits=1,
+        why="The attention kernels must read VMM-backed KV buffers with exactly the stock byte "
+            "layout (K/V planes per layer), mapped page by page as blocks are used.",
+        retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared).",
+        codemod=_vllm_kv_buffers.PerLayerKVBuffers,
+        forwarded="not-needed",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-kv-buffers-shared",
+        engine="vllm",
+        versions=">=0.29,<0.33",
+        anchor="vllm.v1.worker.utils.allocate_kv_cache: torch.zeros(..., dtype=torch.int8, ...)",
+        targets=["{package}/v1/worker/utils.py"],
+        expected_hits=1,
+        why="The one backing buffer of every layer must be VMM-backed with the byte layout the "
+            "resolved KVCacheLayout expects (layer- or block-outermost), mapped by page.",
+        retire_when="vLLM's kv_cache_allocation_context can supply a page-on-demand allocator "
+                    "for the backing buffer (then pass it instead of rewriting the call).",
+        codemod=_vllm_kv_buffers.SharedKVBuffer,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
     ),
 ]
 

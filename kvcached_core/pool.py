@@ -114,9 +114,9 @@ class KVPool:
     ) -> KVPool:
         """Build a pool. `virtual_bytes_per_layer` is the address space of one layer (all its
         buffers); it is rounded down to whole pages."""
-        if num_layers <= 0 or num_kv_buffers not in (1, 2):
+        if num_layers <= 0 or num_kv_buffers <= 0:
             raise KVCachedConfigError(
-                f"num_layers must be > 0 and num_kv_buffers 1 or 2, got {num_layers}, "
+                f"num_layers and num_kv_buffers must be > 0, got {num_layers}, "
                 f"{num_kv_buffers}"
             )
         page_geometry = check_page_geometry(block_bytes, page_size)

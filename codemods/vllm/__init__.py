@@ -1,0 +1,1 @@
+"""Codemods that wire vLLM to kvcached_core (one module per seam)."""

@@ -1,0 +1,198 @@
+"""Elastic MHA and MLA pools: SGLang's KV buffers as views of VMM-backed tensors.
+
+Each layer's buffers keep SGLang's shapes, strides and dtype; only their storage changes. One
+`KVPool` per SGLang pool reserves the virtual range once (so every `data_ptr()` is stable for
+the pool's life) and maps physical pages as the allocator hands out blocks. A ledger block is
+one SGLang page (`page_size` token slots) of every layer; block 0 is SGLang's padding page.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.integration.sglang.switch import sglang_settings
+from kvcached_core.native import as_tensor
+from kvcached_core.pool import KVPool
+
+if TYPE_CHECKING:
+    import torch
+
+#: The attribute under which an elastic SGLang pool keeps its `KVPool`.
+POOL_ATTRIBUTE = "kvcached_pool"
+_pool_numbers = itertools.count()
+
+
+def kvcached_pool_of(kvcache: object) -> KVPool:
+    """The `KVPool` behind an elastic SGLang pool; refuses any other pool, clearly."""
+    pool = getattr(kvcache, POOL_ATTRIBUTE, None) if kvcache is not None else None
+    if isinstance(pool, KVPool):
+        return pool
+    raise KVCachedConfigError(
+        "kvcached: the elastic token allocator needs an elastic KV pool, got "
+        f"{type(kvcache).__name__}; this pool layout is not supported with KVCACHED_ENABLE=1 "
+        "(supported: MHATokenToKVPool and MLATokenToKVPool). Set KVCACHED_ENABLE=0 to run "
+        "SGLang's own memory pools."
+    )
+
+
+def _ceil_to(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def _backend_of(device: str) -> tuple[str, int]:
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        if index:
+            return "cuda", int(index)
+        import torch
+
+        return "cuda", torch.cuda.current_device()
+    if device == "cpu":
+        return "host", 0
+    raise KVCachedConfigError(
+        f"kvcached: SGLang device {device!r} is not supported (cpu or cuda)"
+    )
+
+
+def create_kv_pool(
+    *, kind: str, device: str, num_layers: int, num_buffers: int, page_tokens: int,
+    token_bytes: int, rows: int,
+) -> tuple[KVPool, int]:
+    """A `KVPool` whose per-layer buffers each hold at least `rows` token rows.
+
+    Returns the pool and the rows each buffer region really spans (whole physical pages).
+    """
+    settings = sglang_settings()
+    block_bytes = page_tokens * token_bytes
+    unit = max(settings.page_size, block_bytes)
+    region_bytes = _ceil_to(rows * token_bytes, unit)
+    backend, index = _backend_of(device)
+    pool = KVPool.from_settings(
+        f"sglang-{kind}-{os.getpid()}-{next(_pool_numbers)}",
+        settings,
+        num_layers=num_layers,
+        num_kv_buffers=num_buffers,
+        block_bytes=block_bytes,
+        virtual_bytes_per_layer=region_bytes * num_buffers,
+        backend=backend,  # type: ignore[arg-type]
+        device=index,
+        export_metrics=False,
+    )
+    return pool, pool.geometry.bytes_per_layer_per_buffer // token_bytes
+
+
+#: Set in the body of the class the build writes; a subclass of it does not inherit the claim.
+LEAF_MARKER = "_kvcached_elastic_leaf"
+
+
+def refuse_unless_leaf(instance: object, what: str) -> None:
+    """Elastic storage is wired only for the exact classes the build wrote.
+
+    A subclass (SGLang's page-major, unified or sharded pools and allocators) lays out or
+    hands out memory in its own way, so it is refused rather than run half-elastic.
+    """
+    cls = type(instance)
+    if not cls.__dict__.get(LEAF_MARKER, False):
+        raise KVCachedConfigError(
+            f"kvcached: {cls.__module__}.{cls.__qualname__} derives from the elastic {what} "
+            "but is not supported with KVCACHED_ENABLE=1 (its own memory layout or "
+            "allocation); set KVCACHED_ENABLE=0 for this configuration"
+        )
+
+
+def _refuse_unless_plain(pool: Any, what: str) -> None:
+    if pool.memory_saver_adapter.enabled:
+        raise KVCachedConfigError(
+            f"kvcached: {what} with --enable-memory-saver is not supported (both own the KV "
+            "memory); drop the flag or set KVCACHED_ENABLE=0"
+        )
+    if pool.enable_custom_mem_pool:
+        raise KVCachedConfigError(
+            f"kvcached: {what} with a custom memory pool (SGLANG_MOONCAKE_CUSTOM_MEM_POOL) is "
+            "not supported; unset it or set KVCACHED_ENABLE=0"
+        )
+
+
+class ElasticMHAPoolMixin:
+    """MHATokenToKVPool whose fused per-layer K/V buffer is a view of a VMM-backed tensor."""
+
+    kvcached_pool: KVPool | None = None
+
+    def _create_buffers(self) -> None:
+        pool: Any = self
+        refuse_unless_leaf(self, "MHA pool")
+        if pool.is_quantized_kv_cache or pool.post_capture_active:
+            raise KVCachedConfigError(
+                "kvcached: quantized KV caches and post-capture KV sizing are not supported "
+                "with elastic pools; set KVCACHED_ENABLE=0 for them"
+            )
+        super()._create_buffers()  # type: ignore[misc]
+
+    def _create_buffers_normal(self) -> None:
+        pool: Any = self
+        _refuse_unless_plain(pool, "an elastic MHA pool")
+        k_shape, v_shape = pool._kv_buffer_shapes()
+        if pool.kv_cache_layout != "nhd" or k_shape != v_shape:
+            raise KVCachedConfigError(
+                f"kvcached: the {pool.kv_cache_layout!r} KV layout with K shape {k_shape} and "
+                f"V shape {v_shape} is not supported; elastic pools need the NHD layout with "
+                "equal K and V head dims"
+            )
+        rows = k_shape[0]
+        store_dtype: torch.dtype = pool.store_dtype
+        row_elems = k_shape[1] * k_shape[2]
+        kv_pool, region_rows = create_kv_pool(
+            kind="mha", device=str(pool.device), num_layers=pool.layer_num, num_buffers=2,
+            page_tokens=pool.page_size, token_bytes=row_elems * store_dtype.itemsize, rows=rows,
+        )
+        # SGLang 0.5.23 stores K and V of a layer as the halves of one (2, rows, H, D)
+        # allocation; the halves here are the pool's two buffer regions of that layer.
+        fused = [
+            as_tensor(tensor, store_dtype, (2, region_rows, *k_shape[1:]),
+                      strides=(region_rows * row_elems, row_elems, k_shape[2], 1))
+            for tensor in kv_pool.tensors
+        ]
+        pool.kvcached_pool = kv_pool
+        pool.k_buffer = [buffer[0, :rows] for buffer in fused]
+        pool.v_buffer = [buffer[1, :rows] for buffer in fused]
+
+    def _clear_buffers(self) -> None:
+        super()._clear_buffers()  # type: ignore[misc]
+        close_kv_pool(self)
+
+
+class ElasticMLAPoolMixin:
+    """MLATokenToKVPool whose per-layer latent buffer is a view of a VMM-backed tensor."""
+
+    kvcached_pool: KVPool | None = None
+
+    def _create_buffers(self) -> None:
+        pool: Any = self
+        refuse_unless_leaf(self, "MLA pool")
+        _refuse_unless_plain(pool, "an elastic MLA pool")
+        rows = pool.size + pool.page_size
+        store_dtype: torch.dtype = pool.store_dtype
+        dim = pool.kv_cache_dim
+        kv_pool, region_rows = create_kv_pool(
+            kind="mla", device=str(pool.device), num_layers=pool.layer_num, num_buffers=1,
+            page_tokens=pool.page_size, token_bytes=dim * store_dtype.itemsize, rows=rows,
+        )
+        pool.kvcached_pool = kv_pool
+        pool.kv_buffer = [
+            as_tensor(tensor, store_dtype, (region_rows, 1, dim), strides=(dim, dim, 1))[:rows]
+            for tensor in kv_pool.tensors
+        ]
+
+    def _clear_buffers(self) -> None:
+        super()._clear_buffers()  # type: ignore[misc]
+        close_kv_pool(self)
+
+
+def close_kv_pool(sglang_pool: object) -> None:
+    """Stop the pool's background work (its memory goes with the last view)."""
+    pool = getattr(sglang_pool, POOL_ATTRIBUTE, None)
+    if isinstance(pool, KVPool):
+        pool.close()

@@ -1,0 +1,27 @@
+"""Bound SGLang's prefix cache so that idle KV memory goes back to the pool.
+
+A finished request leaves its KV in the radix tree (UnifiedRadixCache, SGLang's default tree,
+or RadixCache); unbounded, that keeps every page mapped long after the burst. After each
+release the tree's evictable part is cut down to `KVCACHED_MAX_CACHED_TOKENS` (< 0: no bound,
+0: nothing is kept) through the tree's own `evict`, which frees through the elastic allocator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcached_core.integration.sglang.switch import sglang_settings
+
+
+def bound_prefix_cache(tree_cache: Any) -> int:
+    """Evict the tree's least recently used entries above the bound; returns tokens evicted."""
+    limit = sglang_settings().max_cached_tokens
+    if limit < 0 or tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return 0
+    excess = int(tree_cache.evictable_size()) - limit
+    if excess <= 0:
+        return 0
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    result = tree_cache.evict(EvictParams(num_tokens=excess))
+    return int(result.num_tokens_evicted)

@@ -1,0 +1,39 @@
+"""kvcached for vLLM: what the call sites written into a patched vLLM call.
+
+Every name here is called from a place a registered transform rewrote (see
+`codemods/registry.py`); anything that differs between vLLM versions is passed in by that call
+site, so this package holds no version checks.
+"""
+
+from kvcached_core.integration.vllm.block_pool import (
+    ElasticBlockPoolMixin,
+    elastic_block_pool_class,
+    make_block_pool,
+)
+from kvcached_core.integration.vllm.config import elastic_enabled, engine_settings
+from kvcached_core.integration.vllm.engine import (
+    check_single_process,
+    close_on_shutdown,
+    kv_cache_budget,
+    none_on_pool_exhausted,
+    released_after_step,
+)
+from kvcached_core.integration.vllm.kv_buffers import per_layer_kv_buffer, shared_kv_buffer
+from kvcached_core.integration.vllm.pools import EnginePool, engine_pools
+
+__all__ = [
+    "ElasticBlockPoolMixin",
+    "EnginePool",
+    "check_single_process",
+    "close_on_shutdown",
+    "elastic_block_pool_class",
+    "elastic_enabled",
+    "engine_pools",
+    "engine_settings",
+    "kv_cache_budget",
+    "make_block_pool",
+    "none_on_pool_exhausted",
+    "per_layer_kv_buffer",
+    "released_after_step",
+    "shared_kv_buffer",
+]

@@ -1,0 +1,232 @@
+"""The elastic block pool: vLLM's BlockPool whose blocks are backed page by page by kvcached.
+
+vLLM's own free queue keeps deciding which block is handed out and which cached block is
+evicted (so prefix caching behaves exactly as stock); kvcached decides which *pages* are
+physically backed. A ledger page holds `k` consecutive vLLM blocks. The pool:
+
+- hands out only blocks whose page is held, in vLLM's queue order, and asks kvcached for new
+  pages only when the held pages have too few free blocks (`PoolExhausted` if it cannot map);
+- reports as free only what it could hand out now (held free blocks + mappable pages);
+- at each engine step end returns pages whose blocks are all free and uncached, and, while the
+  free-but-mapped blocks exceed `KVCACHED_MAX_CACHED_TOKENS`, evicts whole pages of cached
+  blocks, oldest first, so idle memory really goes back.
+
+It uses only BlockPool interfaces present in every supported vLLM: `blocks`, `num_gpu_blocks`,
+`enable_caching`, `free_block_queue` (`num_free_blocks`, `popleft`, `append`, `remove`,
+construction from a block list), `get_new_blocks`, `free_blocks`, `reset_prefix_cache`,
+`get_num_free_blocks`, `_maybe_evict_cached_block`, and per block `block_id`, `ref_cnt`,
+`block_hash`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+from kvcached_core.errors import PoolExhausted
+from kvcached_core.integration.vllm import pools
+from kvcached_core.integration.vllm.config import engine_settings, pool_name
+
+
+class ElasticBlockPoolMixin:
+    """Placed before vLLM's BlockPool in the MRO of the class `elastic_block_pool_class` makes."""
+
+    # Attributes of vLLM's BlockPool this mixin relies on (set by its __init__).
+    blocks: list[Any]
+    num_gpu_blocks: int
+    enable_caching: bool
+    free_block_queue: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = engine_settings()
+        engine_pool = pools.lookup(pool_name())
+        if engine_pool is None or engine_pool.attached:
+            engine_pool = pools.private_pool(self.num_gpu_blocks, settings)
+        elif engine_pool.num_blocks < self.num_gpu_blocks:
+            raise ValueError(
+                f"kvcached pool {engine_pool.name!r} backs {engine_pool.num_blocks} blocks, "
+                f"the scheduler wants {self.num_gpu_blocks}"
+            )
+        engine_pool.attached = True
+        self._kv = engine_pool
+        self._kv_k = engine_pool.blocks_per_page
+        num_pages = -(-self.num_gpu_blocks // self._kv_k)
+        self._kv_held = bytearray(num_pages)
+        self._kv_unheld_blocks = self.num_gpu_blocks
+        self._kv_dirty: set[int] = set()
+        self._kv_logical_view = False
+        self._kv_max_cached_tokens = settings.max_cached_tokens
+        self._kv_block_tokens: int | None = None
+        null_page = engine_pool.pool.null_block_id
+        if null_page != 0:
+            raise ValueError(f"kvcached pool must hold the null block on page 0, got {null_page}")
+        self._hold_page(0)
+
+    # ------------------------------------------------------------------ accounting
+
+    def _page_blocks(self, page: int) -> int:
+        start = page * self._kv_k
+        return max(0, min(self._kv_k, self.num_gpu_blocks - start))
+
+    def _hold_page(self, page: int) -> None:
+        self._kv_held[page] = 1
+        self._kv_unheld_blocks -= self._page_blocks(page)
+
+    def _drop_page(self, page: int) -> None:
+        self._kv_held[page] = 0
+        self._kv_unheld_blocks += self._page_blocks(page)
+
+    def _held_free_blocks(self) -> int:
+        return int(self.free_block_queue.num_free_blocks) - self._kv_unheld_blocks
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free in held pages, plus mappable pages."""
+        if self._kv_logical_view:
+            return int(self.free_block_queue.num_free_blocks)
+        unheld = self._kv_unheld_blocks
+        mappable = self._kv.pool.available_size() * self._kv_k
+        return self._held_free_blocks() + min(unheld, mappable)
+
+    # ------------------------------------------------------------------ allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        if num_blocks > int(self.free_block_queue.num_free_blocks):
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        available = self.get_num_free_blocks()
+        if num_blocks > available:
+            # Physical pressure (another engine took pages since the caller's check).
+            raise PoolExhausted(f"requested {num_blocks} blocks, {available} backed or mappable")
+        if num_blocks <= 0:
+            return super().get_new_blocks(num_blocks)  # type: ignore[misc]
+        self._map_pages_for(num_blocks - self._held_free_blocks())
+        queue = self.free_block_queue
+        chosen: list[Any] = []
+        skipped: list[Any] = []
+        held, k = self._kv_held, self._kv_k
+        while len(chosen) < num_blocks:
+            block = queue.popleft()
+            (chosen if held[block.block_id // k] else skipped).append(block)
+        for block in skipped:
+            # Blocks of unbacked pages carry no data; they wait at the tail for their page.
+            queue.append(block)
+        # vLLM's own get_new_blocks does the per-block work (cache eviction, KV events,
+        # ref counts, metrics) on exactly the chosen blocks, in queue order.
+        self.free_block_queue = type(queue)(chosen)
+        self._kv_logical_view = True
+        try:
+            return super().get_new_blocks(num_blocks)  # type: ignore[misc,no-any-return]
+        finally:
+            self.free_block_queue = queue
+            self._kv_logical_view = False
+
+    def _map_pages_for(self, missing_blocks: int) -> None:
+        """Hold enough new pages for `missing_blocks` more blocks; PoolExhausted changes nothing."""
+        if missing_blocks <= 0:
+            return
+        k = self._kv_k
+        pages = self._kv.pool.alloc(-(-missing_blocks // k))
+        for page in pages:
+            self._hold_page(page)
+        short = missing_blocks - sum(self._page_blocks(p) for p in pages)
+        if short > 0:  # a partial last page came back; ask for the rest
+            try:
+                self._map_pages_for(short)
+            except BaseException:
+                for page in pages:
+                    self._drop_page(page)
+                self._kv.pool.free(pages)
+                raise
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)  # type: ignore[misc]
+        k = self._kv_k
+        self._kv_dirty.update(block.block_id // k for block in blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        self._kv_logical_view = True
+        try:
+            reset = bool(super().reset_prefix_cache())  # type: ignore[misc]
+        finally:
+            self._kv_logical_view = False
+        if reset:
+            self._kv_dirty.update(p for p, held in enumerate(self._kv_held) if held)
+        return reset
+
+    # ------------------------------------------------------------------ release
+
+    def _page_is_idle(self, page: int, *, cached_ok: bool) -> bool:
+        start = page * self._kv_k
+        for block in self.blocks[start:start + self._page_blocks(page)]:
+            if block.ref_cnt != 0 or (block.block_hash is not None and not cached_ok):
+                return False
+        return True
+
+    def release_idle_pages(self, block_tokens: int) -> int:
+        """Give back idle pages; called at engine step end. Returns the pages given back."""
+        released: list[int] = []
+        for page in sorted(self._kv_dirty):
+            if page != 0 and self._kv_held[page] and self._page_is_idle(page, cached_ok=False):
+                released.append(page)
+        self._kv_dirty.clear()
+        for page in released:
+            self._drop_page(page)
+        cap = self._kv_max_cached_tokens
+        if cap >= 0 and self._held_free_blocks() * block_tokens > cap:
+            released += self._trim_cached_pages(cap, block_tokens)
+        if released:
+            self._kv.pool.free(released)
+        return len(released)
+
+    def _trim_cached_pages(self, cap_tokens: int, block_tokens: int) -> list[int]:
+        """Evict whole pages of cached free blocks, least recently freed first, down to the cap."""
+        k = self._kv_k
+        last_use: dict[int, int] = {}
+        for position, block in enumerate(self._free_blocks_in_order()):
+            page = block.block_id // k
+            if page != 0 and self._kv_held[page]:
+                last_use[page] = position
+        candidates = sorted(
+            (p for p in last_use if self._page_is_idle(p, cached_ok=True)), key=last_use.__getitem__
+        )
+        trimmed: list[int] = []
+        for page in candidates:
+            if self._held_free_blocks() * block_tokens <= cap_tokens:
+                break
+            start = page * k
+            for block in self.blocks[start:start + self._page_blocks(page)]:
+                if block.block_hash is not None:
+                    self._maybe_evict_cached_block(block)  # type: ignore[attr-defined]
+            self._drop_page(page)
+            trimmed.append(page)
+        return trimmed
+
+    def _free_blocks_in_order(self) -> list[Any]:
+        """The free queue from head (evicted first) to tail, without changing it."""
+        queue = self.free_block_queue
+        drained = [queue.popleft() for _ in range(int(queue.num_free_blocks))]
+        for block in drained:
+            queue.append(block)
+        return drained
+
+    def kv_snapshot(self) -> Any:
+        return self._kv.pool.snapshot()
+
+
+@functools.cache
+def elastic_block_pool_class(block_pool_cls: type) -> type:
+    """The elastic subclass of the BlockPool class the call site passes in."""
+    return type(
+        f"Elastic{block_pool_cls.__name__}",
+        (ElasticBlockPoolMixin, block_pool_cls),
+        {"__module__": __name__, "__doc__": ElasticBlockPoolMixin.__doc__},
+    )
+
+
+def make_block_pool(block_pool_cls: type, *args: Any, **kwargs: Any) -> Any:
+    """What `KVCacheCoordinator.__init__` builds: stock BlockPool, or its elastic subclass."""
+    if not engine_settings().enabled:
+        return block_pool_cls(*args, **kwargs)
+    return elastic_block_pool_class(block_pool_cls)(*args, **kwargs)

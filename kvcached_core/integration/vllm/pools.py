@@ -1,0 +1,102 @@
+"""The KV pools of this process, shared by vLLM's worker (which creates them) and scheduler.
+
+When scheduler and worker run in one process (the uni executor), the worker creates the pool
+while allocating its KV buffers and the scheduler's block pool attaches to it by name. A
+scheduler built with no worker in the process (vLLM's own unit tests, offline planning) gets a
+private host pool with the same number of blocks, so it runs the same elastic code paths.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass
+
+from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.pool import KVPool
+from kvcached_core.settings import KVCachedSettings
+
+# A private pool's vLLM block is this many bytes of a 4 KiB host page: one page then holds
+# every block of a unit-test-sized pool, so the ledger never constrains which id vLLM picks.
+_PRIVATE_BLOCK_BYTES = 1
+_PRIVATE_PAGE_BYTES = 4096
+
+
+@dataclass
+class EnginePool:
+    """A kvcached pool seen as vLLM blocks: ledger page `p` holds vLLM blocks [p*k, (p+1)*k)."""
+
+    name: str
+    pool: KVPool
+    blocks_per_page: int
+    num_blocks: int
+    private: bool = False
+    attached: bool = False
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+_lock = threading.Lock()
+_pools: dict[str, EnginePool] = {}
+
+
+def register(engine_pool: EnginePool) -> None:
+    with _lock:
+        if engine_pool.name in _pools:
+            raise KVCachedConfigError(
+                f"a KV pool named {engine_pool.name!r} already exists in this process; set "
+                "KVCACHED_POOL_NAME to tell engines apart"
+            )
+        _pools[engine_pool.name] = engine_pool
+
+
+def lookup(name: str) -> EnginePool | None:
+    with _lock:
+        return _pools.get(name)
+
+
+def engine_pools() -> list[EnginePool]:
+    """The worker-created pools of this process (for diagnostics and tests)."""
+    with _lock:
+        return [p for p in _pools.values() if not p.private]
+
+
+def close(name: str) -> None:
+    """Release every page of the pool and remove its shared-memory record."""
+    with _lock:
+        engine_pool = _pools.pop(name, None)
+    if engine_pool is not None:
+        engine_pool.close()
+
+
+def close_all() -> None:
+    with _lock:
+        names = list(_pools)
+    for name in names:
+        close(name)
+
+
+atexit.register(close_all)
+
+
+def private_pool(num_blocks: int, settings: KVCachedSettings) -> EnginePool:
+    """A host pool for a scheduler with no worker in the process (never registered)."""
+    blocks_per_page = _PRIVATE_PAGE_BYTES // _PRIVATE_BLOCK_BYTES
+    pages = -(-num_blocks // blocks_per_page)
+    pool = KVPool.create(
+        "vllm-scheduler",
+        backend="host",
+        num_layers=1,
+        num_kv_buffers=1,
+        block_bytes=_PRIVATE_PAGE_BYTES,
+        virtual_bytes_per_layer=pages * _PRIVATE_PAGE_BYTES,
+        page_size=_PRIVATE_PAGE_BYTES,
+        min_reserved=0,
+        max_reserved=0,
+        prealloc=False,
+        physical_limit_bytes=settings.physical_limit_bytes,
+        share_limits=False,
+        export_metrics=False,
+    )
+    return EnginePool("vllm-scheduler", pool, blocks_per_page, num_blocks, private=True)

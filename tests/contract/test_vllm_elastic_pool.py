@@ -1,0 +1,74 @@
+"""The elastic block pool on real vLLM BlockPool classes (patched sdist tree, contract venv)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.contract.vllm_contract import ROOT, contract_cell, contract_venv, unpacked_sdist
+
+pytestmark = pytest.mark.slow
+
+BLOCK_POOL_ARGS = {"vllm-0.9": "32, True", "vllm-0.32": "32, True, 16"}
+
+SCRIPT = """
+import kvcached_core.integration.vllm as adapter
+from kvcached_core.errors import PoolExhausted
+from kvcached_core.integration.vllm import pools
+from kvcached_core.integration.vllm.config import pool_name
+from kvcached_core.pool import KVPool
+from vllm.v1.core.block_pool import BlockPool
+
+# 32 vLLM blocks of 1 KiB, 4 to a 4 KiB page, at most 3 pages physically.
+pool = KVPool.create(pool_name(), num_layers=1, num_kv_buffers=1, block_bytes=4096,
+                     virtual_bytes_per_layer=8 * 4096, page_size=4096, min_reserved=0,
+                     max_reserved=0, prealloc=False, physical_limit_bytes=3 * 4096,
+                     defer_physical_release=True, share_limits=False, export_metrics=False)
+pools.register(pools.EnginePool(pool_name(), pool, 4, 32))
+bp = adapter.make_block_pool(BlockPool, {args})
+assert type(bp).__name__ == "ElasticBlockPool" and isinstance(bp, BlockPool)
+assert bp.get_num_free_blocks() == 3 + 2 * 4, bp.get_num_free_blocks()
+blocks = bp.get_new_blocks(5)
+ids = [b.block_id for b in blocks]
+assert ids[:3] == [1, 2, 3] and len({{i // 4 for i in ids}}) == 2, ids
+assert pool.snapshot().in_use_pages == 2, pool.snapshot()
+assert bp.get_num_free_blocks() == 2 + 4, bp.get_num_free_blocks()
+# A competitor takes the last page between check and allocation: clean refusal.
+pool.set_limit(2 * 4096)
+try:
+    bp.get_new_blocks(4)
+except PoolExhausted:
+    pass
+else:
+    raise AssertionError("allocation beyond the physical limit succeeded")
+assert bp.free_block_queue.num_free_blocks == 32 - 1 - 5
+pool.set_limit(3 * 4096)
+bp.free_blocks(blocks)
+released = bp.release_idle_pages(16)
+assert released == 1, released
+marker = pool.capture_release_marker()
+pool.release_retired_through(marker)
+assert pool.snapshot().in_use_pages == 1, pool.snapshot()
+assert bp.get_num_free_blocks() == 3 + 2 * 4
+assert bp.reset_prefix_cache()
+pools.close(pool_name())
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("cell_name", ["vllm-0.9", "vllm-0.32"])
+def test_elastic_pool_backs_blocks_by_page(cell_name: str, tmp_path: Path) -> None:
+    cell = contract_cell(cell_name)
+    python = contract_venv(cell)
+    sdist = unpacked_sdist(cell, tmp_path)
+    imports = tmp_path / "imports"
+    imports.mkdir()
+    (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
+    env["PYTHONPATH"] = f"{sdist}{os.pathsep}{imports}"
+    done = subprocess.run([str(python), "-c", SCRIPT.format(args=BLOCK_POOL_ARGS[cell_name])],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

@@ -1,0 +1,131 @@
+"""Building blocks of the vLLM L1 contract: the pinned sdist, its patched tree, a test venv.
+
+The patched tree is the sdist's `vllm/` with the cell's transform set applied by forge's own
+runner; the venv (per cell, cached under the forge cache keyed by its pins) holds vLLM's
+pure-Python dependencies, the cell's transformers pin, this checkout's kvcached_core and a
+stub `vllm-<version>+cpu.dist-info` so vLLM picks its CPU platform.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import venv
+from pathlib import Path
+
+import git
+
+from codemods.base import BuildContext
+from codemods.registry import default_registry
+from forge import TOOLKIT_VERSION
+from forge.fetch import fetch_artifact, resolve_index_url
+from forge.matrix import Cell, load_matrix
+from forge.transforms import patch_set_fingerprint, run_transforms, select_transforms
+from forge.workspace import GIT_ENV, VENDOR_BRANCH, Workspace
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX = ROOT / "matrix.toml"
+
+# vLLM's imports for tests/v1/core (research/vllm.md section 8.4), without torch: the local
+# CPU torch is installed first and kept.
+CONTRACT_DEPS = (
+    "numpy", "pydantic", "msgspec", "pyzmq", "cachetools", "psutil", "regex", "blake3", "cbor2",
+    "pyyaml", "requests", "tqdm", "huggingface_hub", "tokenizers", "pillow", "sentencepiece",
+    "prometheus_client", "cloudpickle", "gguf", "aiohttp", "pybase64", "py-cpuinfo", "openai",
+    "fastapi", "diskcache", "einops", "protobuf", "partial-json-parser", "pytest", "setproctitle",
+    "typing_extensions", "filelock", "jinja2", "watchfiles", "python-json-logger", "lark",
+    "outlines_core", "lm-format-enforcer", "compressed-tensors", "depyf", "openai-harmony",
+    "llguidance", "xgrammar", "ninja", "scipy", "mistral_common", "opencv-python-headless",
+    "tblib", "ijson", "model-hosting-container-standards", "anthropic", "grpcio",
+    "pytest-asyncio", "uvloop", "fastsafetensors", "safetensors", "numba",
+)
+TORCH = "torch==2.13.0+cpu"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVCACHED_FORGE_CACHE",
+                               Path.home() / ".cache" / "kvcached-forge"))
+
+
+def contract_cell(name: str) -> Cell:
+    return load_matrix(MATRIX).get_cell(name)
+
+
+def unpacked_sdist(cell: Cell, where: Path) -> Path:
+    """The cell's pinned sdist (fetched and sha256-checked by forge), unpacked under `where`."""
+    artifact = cell.artifact("sdist")
+    assert artifact is not None, f"cell {cell.name} pins no sdist"
+    matrix = load_matrix(MATRIX)
+    archive = fetch_artifact(artifact, index_url=resolve_index_url(matrix),
+                             cache_dir=cache_dir())
+    target = where / f"vllm-{cell.version}"
+    if not target.exists():
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.name.split("/")[1:2] in (["vllm"], ["tests"], ["pyproject.toml"])]
+            tar.extractall(where, members=members, filter="data")
+    return target
+
+
+def tree_workspace(tree: Path, *, patched: bool, cell: Cell) -> None:
+    """Make `tree/vllm` the stock sources, or apply the cell's transforms with forge's runner."""
+    repo = git.Repo.init(tree / "vllm", initial_branch=VENDOR_BRANCH)
+    repo.git.update_environment(**GIT_ENV)
+    repo.git.add("--all", "--force")
+    repo.git.commit("--quiet", "--no-verify", "-m", f"vendor: vllm {cell.version} sdist")
+    if not patched:
+        return
+    workspace = Workspace(tree / "vllm")
+    workspace.reset()
+    registry = default_registry()
+    transforms = select_transforms(registry, cell)
+    # The workspace root is the package itself, so targets are relative to it.
+    build = BuildContext(
+        cell=cell.name, engine=cell.engine, package=".", upstream_version=cell.version,
+        built_version=f"{cell.version}+kvcached.{cell.build}", base_artifact="sdist",
+        base_sha256="", transform_ids=tuple(t.id for t in transforms),
+        fingerprint=patch_set_fingerprint(transforms, TOOLKIT_VERSION),
+        toolkit_version=TOOLKIT_VERSION,
+    )
+    run_transforms(workspace, transforms, build, flavour="sdist")
+
+
+def _pins_key(cell: Cell) -> str:
+    pins = {"deps": CONTRACT_DEPS, "torch": TORCH, "test_pins": dict(cell.test_pins),
+            "version": cell.version}
+    return hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def contract_venv(cell: Cell) -> Path:
+    """The cell's contract venv (built once, reused while its pins stay the same)."""
+    root = cache_dir() / "test-venvs" / f"vllm-contract-{cell.series}-{_pins_key(cell)}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    python = root / "bin" / "python"
+    with open(root.parent / f"{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (root / "READY").exists():
+            return python
+        shutil.rmtree(root, ignore_errors=True)
+        venv.EnvBuilder(with_pip=True).create(root)
+        pins = [f"{name}=={version}" for name, version in sorted(cell.test_pins.items())]
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([*pip, TORCH], check=True)
+        # One by one: a dependency that does not install here only costs the tests needing it.
+        for requirement in (*pins, *CONTRACT_DEPS):
+            with contextlib.suppress(subprocess.CalledProcessError):
+                subprocess.run([*pip, requirement, *pins, TORCH], check=True)
+        site = Path(subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True, capture_output=True, text=True).stdout.strip())
+        stub = site / f"vllm-{cell.version}+cpu.dist-info"
+        stub.mkdir(exist_ok=True)
+        (stub / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {cell.version}+cpu\n", encoding="utf-8")
+        (root / "READY").write_text("ok\n", encoding="utf-8")
+    return python

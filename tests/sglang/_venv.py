@@ -1,0 +1,156 @@
+"""The SGLang test environments: one heavy base venv per set of pins, two thin engine venvs.
+
+The base venv (torch, numpy and the small pure-Python dependencies SGLang 0.5.23 imports) is
+built once under the cache and reused while its pins stay the same. The engine venvs are
+layered on it: each has its own site-packages with one sglang wheel (patched or stock,
+installed ``--no-deps``) plus kvcached-core, and a ``.pth`` file that appends the base venv's
+site-packages, so the heavy part exists once on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TORCH_PIN = "torch==2.13.0"
+# What sglang 0.5.23 imports on the CPU path (research/sglang.md section 5), pinned where a
+# newer release changed behaviour; transformers follows the cell's test pin.
+BASE_REQUIREMENTS: tuple[str, ...] = (
+    TORCH_PIN,
+    "numpy",
+    "orjson",
+    "psutil",
+    "pyzmq",
+    "requests",
+    "msgspec",
+    "packaging",
+    "pillow",
+    "pybase64",
+    "pydantic",
+    "aiohttp",
+    "IPython",
+    "tqdm",
+    "dill",
+    "transformers==5.19.0",
+    "tokenizers",
+    "triton",
+    "apache-tvm-ffi==0.1.11",
+    "sentencepiece",
+    "compressed-tensors",
+    "gguf",
+    "einops",
+    "openai",
+    "partial-json-parser",
+    "uvicorn",
+    "fastapi",
+    "uvloop",
+    "setproctitle",
+    "xgrammar==0.2.7",
+    "pytest",
+    "prometheus_client",
+)
+# Packages that would drag in another torch build; the tests shim their import instead.
+FORBIDDEN = ("torchvision", "torchaudio", "torchcodec")
+
+
+@dataclass(frozen=True)
+class EngineVenv:
+    """A venv holding one sglang build (layered on the base venv)."""
+
+    root: Path
+    python: Path
+    site_packages: Path
+
+
+def cache_root() -> Path:
+    base = os.environ.get("KVCACHED_FORGE_CACHE") or str(Path.home() / ".cache" / "kvcached-forge")
+    return Path(base) / "test-venvs"
+
+
+def pins_key(requirements: Sequence[str] = BASE_REQUIREMENTS) -> str:
+    text = json.dumps({"python": sys.version_info[:2], "requirements": list(requirements)})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _python_of(root: Path) -> Path:
+    return root / "bin" / "python"
+
+
+def _site_packages(python: Path) -> Path:
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def _pip(python: Path, *args: str) -> None:
+    env = dict(os.environ, PIP_CONSTRAINT="", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    with_constraint = ["--constraint", str(_constraints_file(python.parent.parent))]
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *with_constraint, *args],
+                   check=True, env=env)
+
+
+def _constraints_file(root: Path) -> Path:
+    path = root / "kvcached-constraints.txt"
+    if not path.exists():
+        # Anything that pulls torch must not replace the pinned CPU build.
+        path.write_text(f"{TORCH_PIN}\n", encoding="utf-8")
+    return path
+
+
+def base_venv() -> Path:
+    """The base venv for the current pins: built once (atomically), then reused."""
+    root = cache_root() / f"sglang-base-{pins_key()}"
+    if (root / "READY").exists():
+        return root
+    staging = root.with_name(root.name + f".building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    venv.EnvBuilder(with_pip=True, symlinks=True).create(staging)
+    python = _python_of(staging)
+    _pip(python, TORCH_PIN)
+    _pip(python, *BASE_REQUIREMENTS)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *FORBIDDEN],
+                   check=False, capture_output=True)
+    (staging / "READY").write_text(json.dumps(list(BASE_REQUIREMENTS)), encoding="utf-8")
+    if root.exists():
+        shutil.rmtree(root)
+    # Paths inside a venv are absolute: the venv is built where it will live, under a
+    # staging name, and the scripts' shebangs are not used (we run `python -m`).
+    staging.rename(root)
+    _fix_venv_paths(staging, root)
+    return root
+
+
+def _fix_venv_paths(old: Path, new: Path) -> None:
+    config = new / "pyvenv.cfg"
+    text = config.read_text(encoding="utf-8").replace(str(old), str(new))
+    config.write_text(text, encoding="utf-8")
+
+
+def engine_venv(root: Path, base: Path, wheels: Sequence[Path]) -> EngineVenv:
+    """A fresh venv at ``root`` whose own site-packages hold ``wheels`` (no dependencies)."""
+    shutil.rmtree(root, ignore_errors=True)
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    python = _python_of(root)
+    site = _site_packages(python)
+    base_site = _site_packages(_python_of(base))
+    (site / "zz_sglang_base_venv.pth").write_text(f"{base_site}\n", encoding="utf-8")
+    subprocess.run(
+        [str(_python_of(base)), "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+         "--target", str(site), *map(str, wheels)],
+        check=True, env=dict(os.environ, PIP_CONSTRAINT=""),
+    )
+    return EngineVenv(root, python, site)
+
+
+if __name__ == "__main__":
+    print(base_venv())

@@ -1,0 +1,55 @@
+"""Fixtures of the tests that run inside the patched SGLang venv (KVCACHED_ENABLE=1).
+
+Sizes follow the tiny model of the end-to-end test: 2 layers, 2 KV heads of dim 16, bf16,
+so one token is 64 bytes per layer per buffer, and KVCACHED_PAGE_SIZE=4K holds 64 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+assert os.environ.get("KVCACHED_ENABLE") == "1", "run by tests/sglang/test_l1_contract.py"
+
+LAYERS, HEADS, DIM = 2, 2, 16
+TOKENS_PER_PAGE = 4096 // (HEADS * DIM * 2)
+
+
+def make_mha_pool(size: int, page_size: int = 1) -> object:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
+                            head_num=HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
+                            enable_memory_saver=False)
+
+
+def make_mla_pool(size: int, page_size: int = 1) -> object:
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
+                            kv_lora_rank=16, qk_rope_head_dim=16, layer_num=LAYERS,
+                            device="cpu", enable_memory_saver=False)
+
+
+@pytest.fixture
+def token_setup() -> tuple[object, object]:
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    pool = make_mha_pool(1023)
+    allocator = TokenToKVPoolAllocator(1023, torch.bfloat16, "cpu", pool, False)
+    return pool, allocator
+
+
+@pytest.fixture
+def paged_setup() -> tuple[object, object]:
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    pool = make_mha_pool(1020, page_size=4)
+    allocator = PagedTokenToKVPoolAllocator(1020, 4, torch.bfloat16, "cpu", pool, False)
+    return pool, allocator
+
+
+def mapped_pages(pool: object) -> int:
+    return pool.kvcached_pool.manager.mapped_pages  # type: ignore[attr-defined]

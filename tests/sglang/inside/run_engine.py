@@ -1,0 +1,82 @@
+"""Run one SGLang CPU engine on a fixed workload; write what it did as JSON.
+
+Run inside an SGLang test venv: `python run_engine.py MODEL_DIR OUT_JSON`. The workload is a
+burst with shared prefixes (prefix-cache hits), then idle, then one more request sharing the
+prefix. While it runs, the KV pages the elastic pool holds are sampled from the pool's limit
+record (`KVCACHED_SHM_DIR`): none exist for a stock engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+PARAMS = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+class KVSampler:
+    """Polls the in-use KV bytes every elastic pool of the engine publishes."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int | None:
+        if not os.environ.get("KVCACHED_SHM_DIR"):
+            return None
+        from kvcached_core.limits import list_records
+
+        records = [r for r in list_records() if r.pool.startswith("sglang-")]
+        return sum(r.used_bytes for r in records) if records else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            value = self.now()
+            if value is not None:
+                self.samples.append((time.monotonic(), value))
+
+    def __enter__(self) -> KVSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main(model: str, out: str) -> None:
+    import sglang
+
+    shared = " ".join(f"w{j}" for j in range(40))
+    burst = [" ".join(f"w{(7 * i + j) % 250}" for j in range(24)) for i in range(6)]
+    burst += [f"{shared} w{100 + i} w{120 + i}" for i in range(4)]
+    engine = sglang.Engine(
+        model_path=model, device="cpu", attention_backend="torch_native",
+        disable_cuda_graph=True, max_total_tokens=4096, log_level="error",
+        skip_server_warmup=True, random_seed=0,
+    )
+    try:
+        with KVSampler() as sampler:
+            before = sampler.now()
+            first = engine.generate(burst, PARAMS)
+            time.sleep(0.5)
+            idle = sampler.now()
+            again = engine.generate([f"{shared} w200 w201"], PARAMS)
+        peak = max((v for _, v in sampler.samples), default=None)
+        result = {
+            "outputs": [o["output_ids"] for o in first + again],
+            "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in first + again],
+            "kv_bytes": {"before": before, "peak": peak, "idle": idle},
+        }
+    finally:
+        engine.shutdown()
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,69 @@
+"""RadixCache over the patched allocator: insert, match, evict, and the kvcached bound."""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+from conftest import TOKENS_PER_PAGE, make_mha_pool, mapped_pages
+
+from kvcached_core.integration.sglang.prefix_cache import bound_prefix_cache
+
+
+def make_tree() -> tuple[object, object, object]:
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    pool = make_mha_pool(1023)
+    allocator = TokenToKVPoolAllocator(1023, torch.bfloat16, "cpu", pool, False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
+                                      token_to_kv_pool_allocator=allocator, page_size=1))
+    return pool, allocator, tree
+
+
+def insert(tree: object, allocator: object, tokens: list[int]) -> torch.Tensor:
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    slots = allocator.alloc(len(tokens))
+    tree.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots))
+    return slots
+
+
+def match(tree: object, tokens: list[int]) -> int:
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    result = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+    return int(result.device_prefix_len)
+
+
+def test_insert_match_and_evict_free_through_the_ledger() -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    pool, allocator, tree = make_tree()
+    insert(tree, allocator, list(range(1, 9)))
+    insert(tree, allocator, [1, 2, 3, 4, 50, 51])  # the shared part is a duplicate
+    assert match(tree, [1, 2, 3, 4, 50, 51, 52]) == 6
+    assert match(tree, [1, 2, 3, 9]) == 3
+    assert tree.evictable_size() == 10
+    evicted = tree.evict(EvictParams(num_tokens=10)).num_tokens_evicted
+    assert evicted == 10 and tree.evictable_size() == 0
+    assert match(tree, [1, 2, 3]) == 0
+    # The tree freed its 10 slots; the duplicate 4 were the caller's to free.
+    assert allocator.available_size() == 1023 - 4
+
+
+def test_the_bound_evicts_down_to_the_limit_and_memory_returns() -> None:
+    pool, allocator, tree = make_tree()
+    pool.kvcached_pool.trim()
+    idle = mapped_pages(pool)
+    for start in range(0, 6 * TOKENS_PER_PAGE, 64):
+        insert(tree, allocator, list(range(start + 1, start + 65)))
+    grown = mapped_pages(pool)
+    assert grown > idle and tree.evictable_size() == 6 * TOKENS_PER_PAGE
+    evicted = bound_prefix_cache(tree)  # KVCACHED_MAX_CACHED_TOKENS=64 in these runs
+    assert evicted == 6 * TOKENS_PER_PAGE - 64 and tree.evictable_size() == 64
+    pool.kvcached_pool.trim()
+    assert mapped_pages(pool) < grown

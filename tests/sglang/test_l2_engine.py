@@ -1,0 +1,62 @@
+"""L2 for cell sglang-0.5: `sglang.Engine` on CPU, stock against patched (KVCACHED_ENABLE=1).
+
+One tiny random Llama, one workload (a burst with shared prefixes, idle, one more request on
+the shared prefix). Greedy output must be token-identical, the prefix cache must hit, the
+patched engine's mapped KV pages must grow with the burst and shrink when idle, and no
+function of the sgl_kernel import shim may have run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ._venv import EngineVenv
+from .conftest import INSIDE, engine_env
+
+PAGE = 4096
+BUFFERS_PER_PAGE = 2 * 2  # 2 layers x (K, V): bytes one ledger page maps
+
+
+def run_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool) -> dict:
+    out = tmp / "result.json"
+    run = subprocess.run(
+        [str(venv.python), str(INSIDE / "run_engine.py"), str(model), str(out)],
+        env=engine_env(tmp, elastic=elastic), capture_output=True, text=True, timeout=400,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-6000:]
+    assert not (tmp / "shim-calls.log").exists(), (tmp / "shim-calls.log").read_text()
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([str(stock_venv.python), str(Path(__file__).with_name("tiny_model.py")),
+                    str(out)], check=True, capture_output=True)
+    return out
+
+
+def test_patched_engine_matches_stock_and_memory_follows_demand(
+        stock_venv: EngineVenv, patched_venv: EngineVenv, tiny_model: Path,
+        tmp_path: Path) -> None:
+    (tmp_path / "stock").mkdir()
+    (tmp_path / "patched").mkdir()
+    stock = run_engine(stock_venv, tiny_model, tmp_path / "stock", elastic=False)
+    patched = run_engine(patched_venv, tiny_model, tmp_path / "patched", elastic=True)
+
+    assert patched["outputs"] == stock["outputs"]
+    assert all(len(o) == 12 for o in patched["outputs"])
+    assert patched["cached_tokens"][-1] >= 40  # the shared prefix came from the cache
+    assert patched["cached_tokens"] == stock["cached_tokens"]
+
+    assert stock["kv_bytes"] == {"before": None, "peak": None, "idle": None}
+    kv = patched["kv_bytes"]
+    page = PAGE * BUFFERS_PER_PAGE
+    assert kv["before"] == page  # only the padding page before any request
+    assert kv["peak"] >= kv["before"] + 3 * page  # the burst mapped pages
+    assert kv["idle"] < kv["peak"]  # and idle gave them back, down to the bound
+    assert kv["idle"] <= kv["before"] + 4 * page
