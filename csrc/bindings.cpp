@@ -300,6 +300,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("mapper", &PageAllocator::mapper)
       .def_property_readonly("state", &PageAllocator::state)
       .def_property_readonly("failure_reason", &PageAllocator::failure_reason)
+      .def("allocatable_pages", &PageAllocator::allocatable_pages, py::arg("limit"))
       .def_property_readonly("num_free", &PageAllocator::num_free)
       .def_property_readonly("num_reserved", &PageAllocator::num_reserved)
       .def_property_readonly("num_in_use", &PageAllocator::num_in_use)

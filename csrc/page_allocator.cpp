@@ -378,6 +378,13 @@ std::string PageAllocator::failure_reason() const {
   return failure_reason_;
 }
 
+size_t PageAllocator::allocatable_pages(size_t limit) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const size_t cap = std::min(limit, capacity_);
+  if (failed_ || cap <= num_in_use_) return 0;
+  return std::min(cap - num_in_use_, free_.size() + reserved_.size() + refilling_ + unmapping_);
+}
+
 size_t PageAllocator::num_free() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return free_.size();

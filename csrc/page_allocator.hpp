@@ -58,6 +58,9 @@ class PageAllocator {
 
   std::string state() const;  // "healthy" | "degraded" | "failed"
   std::string failure_reason() const;
+  // Pages the next alloc_pages can hand out, with at most `limit` in use: free and reserved
+  // ids plus those a refill or an unmap holds for a moment (alloc_pages waits for them).
+  size_t allocatable_pages(size_t limit) const;
   size_t num_free() const;
   size_t num_reserved() const;
   size_t num_in_use() const;

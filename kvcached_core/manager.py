@@ -41,6 +41,7 @@ class PageAllocatorLike(Protocol):
     state: str
     failure_reason: str
 
+    def allocatable_pages(self, limit: int) -> int: ...
     def alloc_pages(self, n: int) -> list[int]: ...
     def free_pages(self, ids: list[int]) -> None: ...
     def set_capacity(self, pages: int) -> bool: ...
@@ -162,12 +163,9 @@ class KVCacheManager:
         )
 
     def _allocatable_pages(self) -> int:
-        allocator = self._allocator
-        in_use = int(allocator.num_in_use)
-        headroom = min(self._target_pages, int(allocator.capacity)) - in_use
-        if headroom <= 0:
-            return 0
-        return min(headroom, int(allocator.num_free) + int(allocator.num_reserved))
+        # One native call under one lock: pages a refill or unmap holds for a moment count,
+        # since alloc_pages waits for them rather than refusing.
+        return int(self._allocator.allocatable_pages(self._target_pages))
 
     # ------------------------------------------------------------------ alloc
 

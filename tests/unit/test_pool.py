@@ -316,3 +316,17 @@ def test_pool_from_settings(shm: Path) -> None:
         metrics_registry=CollectorRegistry(),
     ) as kv:
         assert kv.available_size() == 15
+
+
+def test_a_pool_no_larger_than_its_reserve_starts_while_the_refill_runs(shm: Path) -> None:
+    """The refill thread may hold every page at start; the null block must wait for it."""
+    for attempt in range(40):
+        made = make_pool(f"small-{attempt}", virtual_bytes_per_layer=2 * 4 * PAGE,
+                         min_reserved=5, max_reserved=5, prealloc=True)
+        try:
+            assert made.null_block_id == 0
+            blocks = made.alloc(made.available_size())
+            assert len(set(blocks)) == len(blocks) > 0
+            made.free(blocks)
+        finally:
+            made.close()
