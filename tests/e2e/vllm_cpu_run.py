@@ -1,0 +1,215 @@
+"""Runs inside an engine venv: builds the tiny model, or runs one engine on the shared workload.
+
+    python vllm_cpu_run.py model OUT_DIR
+    python vllm_cpu_run.py generate MODEL_DIR RESULT_JSON [--rounds N] [--no-memory-sampling]
+
+`generate` runs vLLM in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) so the
+patched engine's KV pool, its counters and the host backend's memory are visible here. It
+writes greedy token ids, vLLM's own prefix-cache and preemption counters, and (patched engine)
+the KV resident memory before, at the peak of and after the burst.
+Everything outside the standard library is imported lazily: the test imports this module for
+its workload constants only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 8
+MAX_TOKENS = 24
+KV_CACHE_BYTES = 16 << 20  # vLLM's (virtual) KV budget; the physical limit is kvcached's
+NUM_PREFIXES = 3
+PER_PREFIX = 4
+IDLE_WAIT_S = 2.0
+
+
+def write_tiny_llama(out: Path) -> None:
+    """2 layers, hidden 256, 4 heads (2 KV), BPE vocabulary of 1024, bf16, seed 0, offline."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(3000)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024,
+                                  special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(4000)]
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(out)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=MAX_MODEL_LEN, bos_token_id=fast.bos_token_id,
+                         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+
+
+def workload_token_ids() -> list[list[int]]:
+    """NUM_PREFIXES shared prefixes of 160 tokens (5 full blocks), each with PER_PREFIX tails.
+
+    Token ids (not text) so every engine sees exactly the same prompts.
+    """
+    rng = random.Random(1)
+    prompts: list[list[int]] = []
+    for _ in range(NUM_PREFIXES):
+        prefix = [rng.randrange(4, 1000) for _ in range(5 * BLOCK_SIZE)]
+        for _ in range(PER_PREFIX):
+            prompts.append(prefix + [rng.randrange(4, 1000) for _ in range(rng.randint(8, 40))])
+    return prompts
+
+
+@dataclass
+class MemorySampler:
+    """Samples the KV pool's mapped bytes and this process's RssShmem while a burst runs."""
+
+    read: Any
+    peak: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> MemorySampler:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, value in self.read().items():
+                self.peak[key] = max(self.peak.get(key, 0), value)
+            self._stop.wait(0.002)
+
+
+def rss_shmem_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssShmem line in /proc/self/status")
+
+
+def kv_memory_reader() -> Any:
+    """A reader of the patched engine's KV memory, or None when the engine is not elastic."""
+    try:
+        from kvcached_core.integration.vllm import engine_pools
+    except ImportError:
+        return None
+    found = engine_pools()
+    if not found:
+        return None
+    (engine_pool,) = found
+    pool = engine_pool.pool
+
+    def read() -> dict[str, int]:
+        snapshot = pool.snapshot()
+        page_bytes = pool.geometry.page_bytes_all_layers
+        return {
+            "in_use_bytes": snapshot.in_use_pages * page_bytes,
+            "mapped_bytes": pool.mapped_bytes(),
+            "reserve_pool_bytes": snapshot.reserve_pool_pages * page_bytes,
+            "committed_bytes": int(pool.backend.committed_bytes()),
+            "rss_shmem_bytes": rss_shmem_bytes(),
+        }
+
+    return read
+
+
+def metric_totals(llm: Any) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            totals[metric.name] = totals.get(metric.name, 0.0) + float(value)
+    return totals
+
+
+def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+              block_size=BLOCK_SIZE, enforce_eager=True, distributed_executor_backend="uni",
+              kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True, seed=0,
+              disable_log_stats=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()]
+    read = kv_memory_reader()
+    before = read() if read else None
+    sampling = read if sample_memory else None
+    outputs: list[list[int]] = []
+    cached_tokens: list[int] = []
+    timings: list[dict[str, float]] = []
+    peak: dict[str, int] = {}
+    for _ in range(rounds):
+        started = time.perf_counter()
+        if sampling:
+            with MemorySampler(sampling) as sampler:
+                results = llm.generate(prompts, params, use_tqdm=False)
+            for key, value in sampler.peak.items():
+                peak[key] = max(peak.get(key, 0), value)
+        else:
+            results = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        outputs = [list(r.outputs[0].token_ids) for r in results]
+        cached_tokens = [int(r.num_cached_tokens or 0) for r in results]
+        ttfts = [r.metrics.first_token_latency for r in results
+                 if r.metrics is not None and getattr(r.metrics, "first_token_latency", None)]
+        timings.append({"seconds": elapsed,
+                        "generated_tokens": float(sum(len(o) for o in outputs)),
+                        "ttft_p50": sorted(ttfts)[len(ttfts) // 2] if ttfts else -1.0})
+    idle: dict[str, int] | None = None
+    idle_after_s = -1.0
+    if read:
+        # The last reading taken before IDLE_WAIT_S of idle: what "within 2 s" is judged on.
+        idle_started = time.monotonic()
+        while time.monotonic() - idle_started < IDLE_WAIT_S - 0.1:
+            idle = read()
+            idle_after_s = time.monotonic() - idle_started
+            time.sleep(0.05)
+    result = {
+        "outputs": outputs,
+        "cached_tokens": cached_tokens,
+        "metrics": metric_totals(llm),
+        "timings": timings,
+        "kv": {"before": before, "peak": peak or None, "idle": idle,
+               "idle_after_s": idle_after_s},
+    }
+    result_path.write_text(json.dumps(result))
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if argv[1] == "model":
+        write_tiny_llama(Path(argv[2]))
+        return 0
+    if argv[1] == "generate":
+        rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 1
+        generate(Path(argv[2]), Path(argv[3]), rounds,
+                 sample_memory="--no-memory-sampling" not in argv)
+        return 0
+    raise SystemExit(f"unknown command {argv[1]!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
