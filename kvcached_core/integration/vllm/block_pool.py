@@ -13,9 +13,10 @@ physically backed. A ledger page holds `k` consecutive vLLM blocks. The pool:
 
 It uses only BlockPool interfaces present in every supported vLLM: `blocks`, `num_gpu_blocks`,
 `enable_caching`, `free_block_queue` (`num_free_blocks`, `popleft`, `append`, `remove`,
-construction from a block list), `get_new_blocks`, `free_blocks`, `reset_prefix_cache`,
-`get_num_free_blocks`, `_maybe_evict_cached_block`, and per block `block_id`, `ref_cnt`,
-`block_hash`.
+`get_all_free_blocks`, construction from a block list), `get_new_blocks`, `free_blocks`,
+`reset_prefix_cache`, `get_num_free_blocks`, `_maybe_evict_cached_block`, and per block
+`block_id`, `ref_cnt`, `block_hash`. `unpin_blocks` (newer vLLMs only) is followed where the
+engine calls it: an override no older engine ever reaches.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class ElasticBlockPoolMixin:
             )
         engine_pool.attached = True
         self._kv = engine_pool
+        # Bound once: the capacity check runs several times per engine step.
+        self._kv_mappable_pages = engine_pool.pool.available_size
         self._kv_k = engine_pool.blocks_per_page
         num_pages = -(-self.num_gpu_blocks // self._kv_k)
         self._kv_held = bytearray(num_pages)
@@ -59,6 +62,9 @@ class ElasticBlockPoolMixin:
         self._kv_logical_view = False
         self._kv_max_cached_tokens = settings.max_cached_tokens
         self._kv_block_tokens: int | None = None
+        # True while the last trim left the free-but-mapped blocks over the cap with no held
+        # page idle: only a block freed since can make a page evictable again.
+        self._kv_trim_exhausted = False
         null_page = engine_pool.pool.null_block_id
         if null_page != 0:
             raise ValueError(f"kvcached pool must hold the null block on page 0, got {null_page}")
@@ -86,8 +92,10 @@ class ElasticBlockPoolMixin:
         if self._kv_logical_view:
             return int(self.free_block_queue.num_free_blocks)
         unheld = self._kv_unheld_blocks
-        mappable = self._kv.pool.available_size() * self._kv_k
-        return self._held_free_blocks() + min(unheld, mappable)
+        held_free = int(self.free_block_queue.num_free_blocks) - unheld
+        if unheld == 0:
+            return held_free
+        return held_free + min(unheld, self._kv_mappable_pages() * self._kv_k)
 
     # ------------------------------------------------------------------ allocation
 
@@ -127,6 +135,7 @@ class ElasticBlockPoolMixin:
             return
         k = self._kv_k
         pages = self._kv.pool.alloc(-(-missing_blocks // k))
+        self._kv_trim_exhausted = False  # the held pages changed: the next trim looks again
         for page in pages:
             self._hold_page(page)
         short = missing_blocks - sum(self._page_blocks(p) for p in pages)
@@ -144,6 +153,12 @@ class ElasticBlockPoolMixin:
         super().free_blocks(blocks)  # type: ignore[misc]
         k = self._kv_k
         self._kv_dirty.update(block.block_id // k for block in blocks)
+
+    def unpin_blocks(self, blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        """Where the engine has it: unpinned blocks rejoin the free queue, so a page may have
+        become evictable; the blocks stay readable, so their pages are not marked dirty."""
+        super().unpin_blocks(blocks, *args, **kwargs)  # type: ignore[misc]
+        self._kv_trim_exhausted = False
 
     def reset_prefix_cache(self) -> bool:
         self._kv_logical_view = True
@@ -167,15 +182,24 @@ class ElasticBlockPoolMixin:
     def release_idle_pages(self, block_tokens: int) -> int:
         """Give back idle pages; called at engine step end. Returns the pages given back."""
         released: list[int] = []
-        for page in sorted(self._kv_dirty):
-            if page != 0 and self._kv_held[page] and self._page_is_idle(page, cached_ok=False):
-                released.append(page)
-        self._kv_dirty.clear()
-        for page in released:
-            self._drop_page(page)
+        dirty = self._kv_dirty
+        if dirty:
+            held = self._kv_held
+            for page in sorted(dirty):
+                if page != 0 and held[page] and self._page_is_idle(page, cached_ok=False):
+                    released.append(page)
+            for page in released:
+                self._drop_page(page)
         cap = self._kv_max_cached_tokens
         if cap >= 0 and self._held_free_blocks() * block_tokens > cap:
-            released += self._trim_cached_pages(cap, block_tokens)
+            if not self._kv_trim_exhausted or any(
+                page != 0 and self._kv_held[page] and self._page_is_idle(page, cached_ok=True)
+                for page in dirty
+            ):
+                released += self._trim_cached_pages(cap, block_tokens)
+        else:
+            self._kv_trim_exhausted = False
+        dirty.clear()
         if released:
             self._kv.pool.free(released)
         return len(released)
@@ -184,7 +208,7 @@ class ElasticBlockPoolMixin:
         """Evict whole pages of cached free blocks, least recently freed first, down to the cap."""
         k = self._kv_k
         last_use: dict[int, int] = {}
-        for position, block in enumerate(self._free_blocks_in_order()):
+        for position, block in enumerate(self.free_block_queue.get_all_free_blocks()):
             page = block.block_id // k
             if page != 0 and self._kv_held[page]:
                 last_use[page] = position
@@ -201,15 +225,8 @@ class ElasticBlockPoolMixin:
                     self._maybe_evict_cached_block(block)  # type: ignore[attr-defined]
             self._drop_page(page)
             trimmed.append(page)
+        self._kv_trim_exhausted = self._held_free_blocks() * block_tokens > cap_tokens
         return trimmed
-
-    def _free_blocks_in_order(self) -> list[Any]:
-        """The free queue from head (evicted first) to tail, without changing it."""
-        queue = self.free_block_queue
-        drained = [queue.popleft() for _ in range(int(queue.num_free_blocks))]
-        for block in drained:
-            queue.append(block)
-        return drained
 
     def kv_snapshot(self) -> Any:
         return self._kv.pool.snapshot()
