@@ -9,6 +9,7 @@ codemods in registry order, then the diffs in the order of the cell's series fil
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 from collections.abc import Iterable, Sequence
@@ -94,7 +95,8 @@ class Transform:
         return tuple(t.replace("{package}", package) for t in self.targets)
 
     def source_bytes(self) -> bytes:
-        """The text this transform is made of: its codemod module, or its patch file."""
+        """The text this transform is made of: its patch file, or its codemod module together
+        with every `codemods` module that module imports (helpers shape the output too)."""
         if self.patch is not None:
             return self.patch.read_bytes()
         if self.codemod is None:
@@ -102,7 +104,46 @@ class Transform:
         source_file = inspect.getsourcefile(self.codemod)
         if source_file is None:
             raise TransformError(f"transform {self.id}: source of {self.codemod!r} not found")
-        return Path(source_file).read_bytes()
+        files = _codemod_sources(Path(source_file).resolve())
+        return b"".join(f"{_label(path)}\n".encode() + path.read_bytes() for path in files)
+
+
+CODEMODS_ROOT = Path(__file__).resolve().parent
+
+
+def _codemod_sources(module: Path) -> list[Path]:
+    """`module` and the `codemods` modules it imports, transitively, in a stable order."""
+    seen: set[Path] = set()
+    pending = [module]
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        package = (path.parent.relative_to(CODEMODS_ROOT.parent).parts
+                   if path.is_relative_to(CODEMODS_ROOT) else ())
+        for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (package or not node.level):
+                base = package[:len(package) - node.level + 1] if node.level else ()
+                module_name = ".".join((*base, *(node.module or "").split("."))).strip(".")
+                names = [module_name] + [f"{module_name}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != CODEMODS_ROOT.name:
+                    continue
+                candidate = CODEMODS_ROOT.parent.joinpath(*parts)
+                for found in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+                    if found.is_file():
+                        pending.append(found)
+    return sorted(seen)
+
+
+def _label(path: Path) -> str:
+    return str(path.relative_to(CODEMODS_ROOT.parent)) if path.is_relative_to(
+        CODEMODS_ROOT.parent) else path.name
 
 
 def codemod(*, id: str, engine: str, versions: str, anchor: str, targets: Sequence[str],

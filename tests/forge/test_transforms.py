@@ -218,3 +218,15 @@ def test_fingerprint_covers_ids_sources_and_toolkit(tmp_path: Path) -> None:
     assert base != patch_set_fingerprint(list(reversed(transforms)), "0.1.0")
     path.write_text(path.read_text().replace("Last-Update: 2026-11-30", "Last-Update: 2026-12-01"))
     assert base != patch_set_fingerprint(cell_set(make_registry(patches)), "0.1.0")
+
+
+def test_fingerprint_covers_the_helper_modules_a_codemod_imports() -> None:
+    """A change in a shared helper changes the output, so it must change the fingerprint."""
+    from codemods.registry import CODEMODS_ROOT, default_registry
+
+    registry = default_registry()
+    block_pool = next(t for t in registry.codemods if t.id == "vllm-block-pool")
+    source = block_pool.source_bytes()
+    assert (CODEMODS_ROOT / "vllm" / "_common.py").read_bytes() in source
+    assert (CODEMODS_ROOT / "base.py").read_bytes() in source
+    assert (CODEMODS_ROOT / "vllm" / "block_pool.py").read_bytes() in source
