@@ -71,9 +71,9 @@ def kv_cache_budget(
 
 
 def _scheduler_block_pool(core: Any) -> ElasticBlockPoolMixin | None:
-    scheduler = getattr(core, "scheduler", None)
-    manager = getattr(scheduler, "kv_cache_manager", None)
-    block_pool = getattr(manager, "block_pool", None)
+    # EngineCore.scheduler.kv_cache_manager.block_pool exists in every supported vLLM; the pool
+    # is stock (and left alone) when elastic mode is off.
+    block_pool = core.scheduler.kv_cache_manager.block_pool
     return block_pool if isinstance(block_pool, ElasticBlockPoolMixin) else None
 
 
