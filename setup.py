@@ -23,6 +23,7 @@ SOURCES = [
     "ftensor_allocator.cpp",
     "host_backend.cpp",
     "page_allocator.cpp",
+    "shared_budget.cpp",
 ]
 
 

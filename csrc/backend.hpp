@@ -57,6 +57,11 @@ class Backend {
   virtual OpResult map_zero(uintptr_t va, size_t size) = 0;
   // Whether writes to a zero-page mapping fault (true for both backends where the driver allows it).
   virtual bool zero_page_read_only() const = 0;
+  // Makes later zero-page mappings writable: stray writes into unbacked pages (an engine's
+  // dummy runs writing KV for padding tokens) land in a scratch page instead of faulting, and
+  // unbacked pages then read whatever was last written there, not zeros. Call before creating
+  // tensors.
+  virtual void set_zero_page_writable(bool writable) = 0;
 
   // Bytes of physical memory that could still be committed.
   virtual size_t physical_free_bytes() = 0;

@@ -20,6 +20,7 @@
 #include "host_backend.hpp"
 #include "page_allocator.hpp"
 #include "page_mapper.hpp"
+#include "shared_budget.hpp"
 
 namespace py = pybind11;
 using namespace kvcached;  // NOLINT(build/namespaces)
@@ -181,6 +182,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device_id", &Backend::device_id)
       .def_property_readonly("granularity", &Backend::granularity)
       .def_property_readonly("zero_page_read_only", &Backend::zero_page_read_only)
+      .def("set_zero_page_writable", &Backend::set_zero_page_writable, py::arg("writable"))
       .def("physical_free_bytes", &Backend::physical_free_bytes, Release())
       .def(
           "op_stats",
@@ -205,6 +207,28 @@ PYBIND11_MODULE(_C, m) {
       .def("clear_injected_failures", &HostBackend::clear_injected_failures)
       .def("store_allocated_bytes", &HostBackend::store_allocated_bytes)
       .def("committed_bytes", &HostBackend::committed_bytes);
+
+  py::class_<BudgetedBackend, Backend, std::shared_ptr<BudgetedBackend>>(
+      m, "BudgetedBackend",
+      "A backend whose physical allocations are charged to a budget shared on this host.")
+      .def(py::init([](std::shared_ptr<Backend> inner, std::string name, std::string path) {
+             auto budget = std::make_shared<SharedBudget>(std::move(name), path);
+             return std::make_shared<BudgetedBackend>(std::move(inner), std::move(budget));
+           }),
+           py::arg("inner"), py::arg("budget_name"), py::arg("budget_path"))
+      .def_property_readonly("inner", &BudgetedBackend::inner)
+      .def_property_readonly("budget_name",
+                             [](const BudgetedBackend& self) { return self.budget()->name(); })
+      .def_property_readonly("budget_path",
+                             [](const BudgetedBackend& self) { return self.budget()->path(); })
+      .def("budget_free_bytes",
+           [](const BudgetedBackend& self) { return self.budget()->free_bytes(); }, Release())
+      .def("charged_bytes", &BudgetedBackend::charged_bytes)
+      .def("committed_bytes", &BudgetedBackend::charged_bytes,
+           "Bytes committed through this backend and not yet released (= charged_bytes).");
+
+  m.def("process_start_time", &process_start_time, py::arg("pid"),
+        "Start time of a live process in clock ticks after boot (0: gone or a zombie).");
 
   m.def("cuda_backend", &make_cuda_backend, py::arg("device_id") = 0,
         "The CUDA driver backend of one device; RuntimeError with the plain reason if unusable.");

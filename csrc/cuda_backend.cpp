@@ -217,6 +217,11 @@ std::map<std::string, Backend::OpStat> CudaBackend::op_stats() const {
   return stats;
 }
 
+void CudaBackend::set_zero_page_writable(bool writable) {
+  std::lock_guard<std::mutex> lock(zero_mutex_);
+  zero_read_only_ = !writable;
+}
+
 bool CudaBackend::zero_page_read_only() const {
   std::lock_guard<std::mutex> lock(zero_mutex_);
   return zero_read_only_;

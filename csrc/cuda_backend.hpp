@@ -40,6 +40,7 @@ class CudaBackend : public Backend {
   OpResult unmap_range(uintptr_t va, size_t size) override;
   OpResult map_zero(uintptr_t va, size_t size) override;
   bool zero_page_read_only() const override;
+  void set_zero_page_writable(bool writable) override;
   size_t physical_free_bytes() override;
   std::map<std::string, OpStat> op_stats() const override;
 

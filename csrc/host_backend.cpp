@@ -195,9 +195,10 @@ OpResult HostBackend::unmap_range(uintptr_t va, size_t size) {
 
 OpResult HostBackend::map_zero(uintptr_t va, size_t size) {
   if (auto injected = take_injected(HostOp::kMapZero)) return *injected;
-  void* got = mmap(reinterpret_cast<void*>(va), size, PROT_READ,
+  const int protection = zero_writable_ ? PROT_READ | PROT_WRITE : PROT_READ;
+  void* got = mmap(reinterpret_cast<void*>(va), size, protection,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-  if (got == MAP_FAILED) return OpResult::failed(errno_text("mmap(PROT_READ) zero page", errno));
+  if (got == MAP_FAILED) return OpResult::failed(errno_text("mmap zero page", errno));
   return OpResult::ok();
 }
 

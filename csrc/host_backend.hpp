@@ -8,9 +8,11 @@
 //   range, so the address range is never handed back to the OS by accident.
 // - The zero page is an anonymous private read-only mapping: reads see the kernel's shared zero
 //   page (no resident memory), writes fault, and neighbouring zero mappings merge into one VMA.
+//   Made writable on request (set_zero_page_writable), a stray write gets a private copy.
 // - Tests can make the Nth future call of an operation fail the way a driver would.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -45,7 +47,8 @@ class HostBackend : public Backend {
   OpResult set_access(uintptr_t va, size_t size) override;
   OpResult unmap_range(uintptr_t va, size_t size) override;
   OpResult map_zero(uintptr_t va, size_t size) override;
-  bool zero_page_read_only() const override { return true; }
+  bool zero_page_read_only() const override { return !zero_writable_; }
+  void set_zero_page_writable(bool writable) override { zero_writable_ = writable; }
   size_t physical_free_bytes() override;
 
   // The `nth` future call (1 = the next one) of `op` fails; out_of_memory picks the error kind.
@@ -65,6 +68,7 @@ class HostBackend : public Backend {
   std::optional<OpResult> take_injected(HostOp op);
 
   const size_t granularity_;
+  std::atomic<bool> zero_writable_{false};
   const size_t memory_limit_bytes_;
   int store_fd_ = -1;
 

@@ -303,6 +303,10 @@ bool PageAllocator::set_capacity(size_t pages) {
 void PageAllocator::trim() {
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
+  // A refill requested before the trim, or one deciding its batch outside the lock right now,
+  // must not map the reserve back: the reserve stays empty until the next allocation asks.
+  refill_requested_ = false;
+  ++trim_generation_;
   work_settled_.wait(lock, [this] { return refilling_ == 0; });
   std::vector<int64_t> to_unmap(reserved_.begin(), reserved_.end());
   reserved_.clear();
@@ -318,6 +322,7 @@ void PageAllocator::refill_loop() {
     if (stopping_) return;
     refill_requested_ = false;
     if (failed_ || reserved_.size() >= min_reserved_) continue;
+    const uint64_t generation = trim_generation_;
 
     lock.unlock();
     size_t physical = 0;
@@ -328,6 +333,7 @@ void PageAllocator::refill_loop() {
     }
     lock.lock();
     if (stopping_) return;
+    if (generation != trim_generation_) continue;  // trimmed meanwhile: stay trimmed
     const size_t held = num_in_use_ + reserved_.size();
     const size_t room = capacity_ > held ? capacity_ - held : 0;
     const size_t missing = min_reserved_ > reserved_.size() ? min_reserved_ - reserved_.size() : 0;

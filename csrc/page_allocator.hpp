@@ -115,6 +115,7 @@ class PageAllocator {
   size_t unmapping_ = 0;
   size_t capacity_;
   bool refill_requested_ = false;
+  uint64_t trim_generation_ = 0;  // bumped by trim(): a refill decided before it is dropped
   bool stopping_ = false;
   bool failed_ = false;
   std::string failure_reason_;

@@ -5,9 +5,14 @@
     kvctl limit-percent POOL PCT [--revision R]
     kvctl watch [-n SECONDS] [--count N]
     kvctl delete POOL [--force]
+    kvctl budget set NAME SIZE
+    kvctl budget show NAME [--json]
+    kvctl budget list [--json]
+    kvctl budget delete NAME [--force]
 
-Records live in `--shm-dir`, else `KVCACHED_SHM_DIR`, else `/dev/shm`. Errors print one line
-to stderr and exit non-zero.
+`list` shows every pool and then every shared budget (its capacity, what its live members
+charge, and their pids). Records and budgets live in `--shm-dir`, else `KVCACHED_SHM_DIR`,
+else `/dev/shm`. Errors print one line to stderr and exit non-zero.
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
+from kvcached_core.budget import (
+    BudgetState,
+    delete_budget,
+    list_budgets,
+    read_budget,
+    set_budget,
+)
 from kvcached_core.errors import KVCachedError
 from kvcached_core.limits import (
     LimitRecord,
@@ -77,6 +89,21 @@ def _build_parser() -> argparse.ArgumentParser:
     delete = commands.add_parser("delete", help="remove a pool's record")
     delete.add_argument("pool")
     delete.add_argument("--force", action="store_true", help="even if its owner is alive")
+
+    budget = commands.add_parser("budget", help="memory budgets shared by pools on this host")
+    budget_commands = budget.add_subparsers(dest="budget_command", required=True,
+                                            parser_class=_Parser)
+    budget_set = budget_commands.add_parser("set", help="create a budget or change its size")
+    budget_set.add_argument("name")
+    budget_set.add_argument("size", help="bytes, e.g. 512M, 2G (binary units)")
+    budget_show = budget_commands.add_parser("show", help="one budget and its members")
+    budget_show.add_argument("name")
+    budget_show.add_argument("--json", action="store_true", help="machine-readable output")
+    budget_list = budget_commands.add_parser("list", help="every budget")
+    budget_list.add_argument("--json", action="store_true", help="machine-readable output")
+    budget_delete = budget_commands.add_parser("delete", help="remove a budget")
+    budget_delete.add_argument("name")
+    budget_delete.add_argument("--force", action="store_true", help="even with live members")
     return parser
 
 
@@ -108,6 +135,39 @@ def _render_table(records: Sequence[LimitRecord]) -> str:
     )
 
 
+def _render_budgets(budgets: Sequence[BudgetState]) -> str:
+    header = ("BUDGET", "CAPACITY", "CHARGED", "FREE", "CHARGED%", "MEMBERS")
+    rows = [header]
+    for budget in budgets:
+        members = ",".join(str(member.pid) for member in budget.members) or "-"
+        rows.append(
+            (
+                budget.name,
+                format_size(budget.capacity_bytes),
+                format_size(budget.charged_bytes),
+                format_size(budget.free_bytes),
+                _percent(budget.charged_bytes, budget.capacity_bytes),
+                members,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _budget_dict(budget: BudgetState) -> dict[str, object]:
+    return {
+        "name": budget.name,
+        "capacity_bytes": budget.capacity_bytes,
+        "charged_bytes": budget.charged_bytes,
+        "free_bytes": budget.free_bytes,
+        "revision": budget.revision,
+        "members": [asdict(member) for member in budget.members],
+    }
+
+
 def _record_dict(record: LimitRecord) -> dict[str, object]:
     data: dict[str, object] = asdict(record)
     data["stale"] = record.stale
@@ -119,13 +179,50 @@ def _cmd_list(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
         for removed in collect_stale(directory):
             print(f"removed stale pool {removed.pool} (pid {removed.owner_pid})", file=sys.stderr)
     records = list_records(directory)
-    if args.json:
+    if args.json:  # pools only, as always; budgets: `kvctl budget list --json`
         json.dump([_record_dict(r) for r in records], out, indent=2)
         out.write("\n")
-    elif records:
+        return EXIT_OK
+    if records:
         out.write(_render_table(records) + "\n")
     else:
         out.write(f"no pools in {directory}\n")
+    budgets = list_budgets(directory)
+    if budgets:
+        out.write("\n" + _render_budgets(budgets) + "\n")
+    return EXIT_OK
+
+
+def _cmd_budget(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
+    command = args.budget_command
+    if command == "set":
+        try:
+            size = parse_size(args.size)
+        except ValueError as exc:
+            raise _CommandError(str(exc)) from None
+        budget = set_budget(args.name, size, directory=directory)
+        out.write(f"budget {budget.name}: capacity {format_size(budget.capacity_bytes)}, "
+                  f"{format_size(budget.charged_bytes)} charged by "
+                  f"{len(budget.members)} member(s)\n")
+        if budget.charged_bytes > budget.capacity_bytes:
+            out.write(f"budget {budget.name}: over capacity; new pages are refused until "
+                      "members free memory\n")
+        return EXIT_OK
+    if command == "delete":
+        budget = delete_budget(args.name, force=args.force, directory=directory)
+        out.write(f"deleted budget {budget.name} ({len(budget.members)} live member(s))\n")
+        return EXIT_OK
+    budgets = [read_budget(args.name, directory)] if command == "show" else list_budgets(
+        directory)
+    if args.json:
+        data: object = (_budget_dict(budgets[0]) if command == "show"
+                        else [_budget_dict(b) for b in budgets])
+        json.dump(data, out, indent=2)
+        out.write("\n")
+    elif budgets:
+        out.write(_render_budgets(budgets) + "\n")
+    else:
+        out.write(f"no budgets in {directory}\n")
     return EXIT_OK
 
 
@@ -193,6 +290,7 @@ _COMMANDS = {
     "limit-percent": _cmd_limit_percent,
     "watch": _cmd_watch,
     "delete": _cmd_delete,
+    "budget": _cmd_budget,
 }
 
 

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvcached_core.budget import require_budget
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.layout import KVCacheSpec, check_page_geometry, kv_views
 from kvcached_core.limits import LimitSegment, LimitWatcher
@@ -27,15 +28,31 @@ if TYPE_CHECKING:
 BackendKind = Literal["host", "cuda"]
 
 
-def make_backend(kind: BackendKind, device: int = 0, *, host_memory_limit_bytes: int = 0) -> Any:
-    """The native memory backend: host memory (any machine) or one CUDA device."""
+def make_backend(
+    kind: BackendKind,
+    device: int = 0,
+    *,
+    host_memory_limit_bytes: int = 0,
+    budget: str | None = None,
+    shm_dir: str | os.PathLike[str] | None = None,
+) -> Any:
+    """The native memory backend: host memory (any machine) or one CUDA device.
+
+    With `budget`, every physical page it creates is charged to that host-wide budget (which
+    must exist: `kvctl budget set NAME SIZE`); a spent budget reads as out of memory.
+    """
     from kvcached_core import _C
 
     if kind == "host":
-        return _C.HostBackend(host_memory_limit_bytes)
-    if kind == "cuda":
-        return _C.cuda_backend(device)
-    raise KVCachedConfigError(f"backend must be 'host' or 'cuda', got {kind!r}")
+        backend = _C.HostBackend(host_memory_limit_bytes)
+    elif kind == "cuda":
+        backend = _C.cuda_backend(device)
+    else:
+        raise KVCachedConfigError(f"backend must be 'host' or 'cuda', got {kind!r}")
+    if budget is None:
+        return backend
+    path = require_budget(budget, shm_dir)
+    return _C.BudgetedBackend(backend, budget, str(path))
 
 
 @dataclass(frozen=True)
@@ -111,9 +128,14 @@ class KVPool:
         metrics_registry: CollectorRegistry | None = None,
         export_metrics: bool = True,
         host_memory_limit_bytes: int = 0,
+        budget: str | None = None,
+        zero_page_writable: bool = False,
     ) -> KVPool:
         """Build a pool. `virtual_bytes_per_layer` is the address space of one layer (all its
-        buffers); it is rounded down to whole pages."""
+        buffers); it is rounded down to whole pages. `budget` names a host-wide memory budget
+        (`kvcached_core.budget`) that the pool's physical pages are charged to.
+        `zero_page_writable`: unbacked pages take stray writes instead of faulting (see
+        `Backend.set_zero_page_writable`)."""
         if num_layers <= 0 or num_kv_buffers <= 0:
             raise KVCachedConfigError(
                 f"num_layers and num_kv_buffers must be > 0, got {num_layers}, "
@@ -133,19 +155,57 @@ class KVPool:
         from kvcached_core import _C
 
         native_backend = make_backend(
-            backend, device, host_memory_limit_bytes=host_memory_limit_bytes
+            backend,
+            device,
+            host_memory_limit_bytes=host_memory_limit_bytes,
+            budget=budget,
+            shm_dir=shm_dir,
         )
+        if zero_page_writable:
+            native_backend.set_zero_page_writable(True)
         ftensor_allocator = _C.FTensorAllocator(native_backend, unit, contiguous)
         tensors = ftensor_allocator.create_kv_tensors(per_buffer, num_layers, num_kv_buffers)
         page_allocator = _C.PageAllocator(ftensor_allocator, min_reserved, max_reserved, prealloc)
+        return cls._assemble(
+            name, geometry, native_backend, ftensor_allocator, tensors, page_allocator,
+            block_bytes=block_bytes, page_size=page_size,
+            cost_per_page=geometry.page_bytes_all_layers, share_limits=share_limits,
+            physical_limit_bytes=physical_limit_bytes, shm_dir=shm_dir,
+            reserve_null_block=reserve_null_block,
+            defer_physical_release=defer_physical_release, export_metrics=export_metrics,
+            metrics_registry=metrics_registry,
+        )
+
+    @classmethod
+    def _assemble(
+        cls,
+        name: str,
+        geometry: PoolGeometry,
+        native_backend: Any,
+        ftensor_allocator: Any,
+        tensors: list[Any],
+        page_allocator: Any,
+        *,
+        block_bytes: int,
+        page_size: int,
+        cost_per_page: int,
+        share_limits: bool,
+        physical_limit_bytes: int | None,
+        shm_dir: str | os.PathLike[str] | None,
+        reserve_null_block: bool,
+        defer_physical_release: bool,
+        export_metrics: bool,
+        metrics_registry: CollectorRegistry | None,
+    ) -> KVPool:
+        """The ledger, limit record, metrics and limit watcher over a page allocator; on any
+        failure everything made so far is released."""
         segment: LimitSegment | None = None
-        metrics: PoolMetrics | None = None
         pool: KVPool | None = None
         try:
             if share_limits:
                 segment = LimitSegment.create(
                     name,
-                    capacity_bytes=int(page_allocator.num_total) * geometry.page_bytes_all_layers,
+                    capacity_bytes=int(page_allocator.num_total) * cost_per_page,
                     limit_bytes=physical_limit_bytes,
                     directory=shm_dir,
                 )
@@ -156,23 +216,13 @@ class KVPool:
                 reserve_null_block=reserve_null_block,
                 defer_physical_release=defer_physical_release,
             )
-            pool = cls(
-                name,
-                geometry,
-                native_backend,
-                ftensor_allocator,
-                tensors,
-                page_allocator,
-                manager,
-                segment,
-                None,
-            )
+            pool = cls(name, geometry, native_backend, ftensor_allocator, tensors,
+                       page_allocator, manager, segment, None)
             manager.set_pages_changed_callback(pool._publish_usage)
             if physical_limit_bytes is not None:
                 manager.resize(pool._blocks_for_limit(physical_limit_bytes))
             if export_metrics:
-                metrics = register_pool(name, manager.snapshot, metrics_registry)
-                pool._metrics = metrics
+                pool._metrics = register_pool(name, manager.snapshot, metrics_registry)
             if segment is not None:
                 pool._publish_usage()
                 pool._watcher = LimitWatcher(segment, pool._on_shared_limit)
@@ -212,6 +262,56 @@ class KVPool:
             physical_limit_bytes=settings.physical_limit_bytes,
             defer_physical_release=settings.defer_physical_release,
             **options,
+        )
+
+    @classmethod
+    def over_mapper(
+        cls,
+        name: str,
+        mapper: Any,
+        *,
+        page_bytes: int,
+        min_reserved: int = 5,
+        max_reserved: int = 10,
+        physical_limit_bytes: int | None = None,
+        defer_physical_release: bool = False,
+        reserve_null_block: bool = True,
+        prealloc: bool = True,
+        shm_dir: str | os.PathLike[str] | None = None,
+        share_limits: bool = True,
+        metrics_registry: CollectorRegistry | None = None,
+        export_metrics: bool = True,
+    ) -> KVPool:
+        """A pool with no tensors of its own whose pages are mapped through `mapper` (a
+        `_C.PageMapper`, e.g. `ipc.BroadcastMapper` over the worker processes of a job).
+
+        One ledger block is one mapper page of `page_bytes` (per layer and buffer, the page
+        the workers' tensors map at once). The limit record, metrics, shared limit and release
+        epochs are those of a local pool; costs are the mapper's `logical_page_bytes`, i.e.
+        every rank's memory together. The geometry counts each (rank, layer, buffer) plane of
+        a page as one layer, so `page_bytes_all_layers` is what one page costs the job.
+        """
+        from kvcached_core import _C
+
+        logical_page_bytes = int(mapper.logical_page_bytes())
+        num_pages = int(mapper.num_logical_pages())
+        if page_bytes <= 0 or logical_page_bytes % page_bytes or num_pages <= 0:
+            raise KVCachedConfigError(
+                f"mapper pages of {logical_page_bytes} bytes ({num_pages} pages) are not whole "
+                f"planes of {page_bytes} bytes"
+            )
+        geometry = PoolGeometry(
+            logical_page_bytes // page_bytes, 1, page_bytes, page_bytes,
+            num_pages * page_bytes, False,
+        )
+        page_allocator = _C.PageAllocator(mapper, min_reserved, max_reserved, prealloc)
+        return cls._assemble(
+            name, geometry, None, None, [], page_allocator,
+            block_bytes=page_bytes, page_size=page_bytes, cost_per_page=logical_page_bytes,
+            share_limits=share_limits, physical_limit_bytes=physical_limit_bytes,
+            shm_dir=shm_dir, reserve_null_block=reserve_null_block,
+            defer_physical_release=defer_physical_release, export_metrics=export_metrics,
+            metrics_registry=metrics_registry,
         )
 
     # ------------------------------------------------------------------ engine API

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from kvcached_core.budget import validate_budget_name
 from kvcached_core.errors import KVCachedConfigError
 
 MIB = 1 << 20
@@ -72,6 +73,10 @@ class KVCachedSettings:
     """Runtime settings of one engine's KV pool.
 
     `max_cached_tokens`: prefix-cache cap in tokens (< 0 unlimited, 0 disables caching).
+    `budget`: name of the host-wide memory budget the pool charges its pages to (None: none).
+    `zero_page_writable`: `KVCACHED_ZERO_PAGE=writable|read-only`; None leaves the choice to
+    the engine integration (vLLM picks writable: its dummy runs write KV for padding tokens
+    into blocks no request owns).
     """
 
     # Only patched engines read these settings, and a patched engine is elastic unless told
@@ -85,6 +90,8 @@ class KVCachedSettings:
     physical_limit_bytes: int | None = None
     max_cached_tokens: int = 16000
     defer_physical_release: bool = False
+    budget: str | None = None
+    zero_page_writable: bool | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size % 4096:
@@ -100,6 +107,8 @@ class KVCachedSettings:
             )
         if self.physical_limit_bytes is not None and self.physical_limit_bytes < 0:
             raise KVCachedConfigError("physical_limit_bytes must be >= 0")
+        if self.budget is not None:
+            validate_budget_name(self.budget)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KVCachedSettings:
@@ -139,6 +148,8 @@ class KVCachedSettings:
             defer_physical_release=_flag(
                 env, "KVCACHED_DEFER_PHYSICAL_RELEASE", defaults.defer_physical_release
             ),
+            budget=_budget_name(env),
+            zero_page_writable=_zero_page(env),
         )
 
 
@@ -176,3 +187,24 @@ def _size(env: Mapping[str, str], name: str, default: int | None) -> int | None:
         return parse_size(raw)
     except ValueError as exc:
         raise KVCachedConfigError(f"{name}: {exc}") from None
+
+
+def _budget_name(env: Mapping[str, str]) -> str | None:
+    raw = env.get("KVCACHED_BUDGET", "").strip()
+    if not raw:
+        return None
+    try:
+        return validate_budget_name(raw)
+    except KVCachedConfigError as exc:
+        raise KVCachedConfigError(f"KVCACHED_BUDGET: {exc}") from None
+
+
+def _zero_page(env: Mapping[str, str]) -> bool | None:
+    raw = env.get("KVCACHED_ZERO_PAGE", "").strip().lower()
+    if not raw:
+        return None
+    if raw not in ("read-only", "writable"):
+        raise KVCachedConfigError(
+            f"KVCACHED_ZERO_PAGE must be 'read-only' or 'writable', got {raw!r}"
+        )
+    return raw == "writable"

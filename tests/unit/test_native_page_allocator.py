@@ -131,6 +131,20 @@ def test_trim_unmaps_the_whole_reserve() -> None:
     assert pool.num_free == PAGES
 
 
+def test_a_trim_right_after_an_allocation_stays_trimmed() -> None:
+    # The allocation asks the refill thread for a new reserve; a trim that follows at once
+    # (an engine that just drained) must win, however the two interleave.
+    backend, pool = _pool(min_reserved=2, max_reserved=2)
+    for _ in range(30):
+        pages = pool.alloc_pages(1)
+        pool.trim()
+        time.sleep(0.01)  # time for a refill that was already deciding its batch
+        assert pool.num_reserved == 0
+        pool.free_pages(pages)
+        pool.trim()
+    assert backend.committed_bytes() == 0
+
+
 def test_background_refill_keeps_the_minimum_reserve() -> None:
     backend, pool = _pool(min_reserved=2, max_reserved=4, prealloc=True)
     _wait_for(lambda: pool.num_reserved == 2)
