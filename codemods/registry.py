@@ -449,7 +449,7 @@ CODEMODS += [
 # --- end of SGLang ----------------------------------------------------------------------------
 
 
-# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, vllm-0.32) ---------------------
+# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, vllm-0.25, vllm-0.32) ---------
 # One transform set; where vLLM versions differ, the registry selects the codemod by version
 # range and the rewritten call site passes what differs. The adapter they call is
 # kvcached_core/integration/vllm.
@@ -568,6 +568,42 @@ CODEMODS += [
         retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared).",
         codemod=_vllm_kv_buffers.PerLayerKVBuffers,
         forwarded="not-needed",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-kv-buffers-tensors",
+        engine="vllm",
+        versions=">=0.24,<0.29",
+        anchor="vllm.v1.worker.gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors: "
+               "torch.zeros(..., dtype=torch.int8, ...) (per KVCacheTensor, packed backing)",
+        targets=["{package}/v1/worker/gpu_model_runner.py"],
+        expected_hits=2,
+        why="The V1 runner's KV buffers (one per KVCacheTensor, or the one packed backing of "
+            "every layer when block_stride > 0) must be VMM-backed with exactly the stock bytes "
+            "and mapped by page; the call site passes each attention group's shape and stride "
+            "order, so the adapter knows where a block lies without knowing the version.",
+        retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared).",
+        codemod=_vllm_kv_buffers.TensorKVBuffers,
+        forwarded="not-needed",
+        last_update=_VLLM_REVIEWED,
+    ),
+    codemod(
+        id="vllm-kv-buffers-mrv2",
+        engine="vllm",
+        versions=">=0.24,<0.29",
+        anchor="vllm.v1.worker.gpu.attn_utils._allocate_kv_cache: torch.zeros(..., "
+               "dtype=torch.int8, ...) x2, its new attn_groups parameter, and the call in "
+               "init_kv_cache",
+        targets=["{package}/v1/worker/gpu/attn_utils.py"],
+        expected_hits=4,
+        why="Model Runner V2 (the default runner for allow-listed architectures, Llama "
+            "included, from 0.22) allocates its own KV buffers; they must be VMM-backed like "
+            "the V1 runner's. _allocate_kv_cache is not given the attention groups, so its one "
+            "caller passes them in.",
+        retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared), "
+                    "or by a KV-allocation context both runners honour.",
+        codemod=_vllm_kv_buffers.ModelRunnerV2KVBuffers,
+        forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
     codemod(

@@ -5,7 +5,10 @@
 - `shutdown` gets a decorator that releases every page and removes the shared-memory record;
 - in `_initialize_kv_caches`, `self.model_executor.determine_available_memory()` is wrapped by
   `_kvcached_vllm.kv_cache_budget(...)` (virtual KV size, user settings respected, page
-  rounding, single-process check). What that call passes differs by version (below).
+  rounding, executor check, and the job announcement that worker processes of the mp executor
+  look for). What that call passes differs by version (below); `pipeline_parallel_size` and
+  `world_size` are fields of `ParallelConfig` in every supported vLLM (0.9.2: `vllm/config.py`,
+  from 0.10: `vllm/config/parallel.py`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ _BUDGET_KWARGS = (
     "user_kv_bytes={user_kv_bytes}, "
     "user_num_blocks=vllm_config.cache_config.num_gpu_blocks_override, "
     "executor_backend=vllm_config.parallel_config.distributed_executor_backend, "
-    "world_size=vllm_config.parallel_config.world_size"
+    "world_size=vllm_config.parallel_config.world_size, "
+    "pipeline_size=vllm_config.parallel_config.pipeline_parallel_size"
 )
 
 

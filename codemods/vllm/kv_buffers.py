@@ -4,8 +4,13 @@ The call keeps its arguments and gains `torch.zeros` as its first argument, so w
 mode off the adapter makes exactly the stock buffer. What the adapter must know about the
 layout is passed in by the rewritten call site, in the words of that version:
 
-- vLLM <= 0.28, `GPUModelRunner._allocate_kv_cache_tensors`: one buffer per layer, plus the
+- vLLM <= 0.11, `GPUModelRunner._allocate_kv_cache_tensors`: one buffer per layer, plus the
   backend's `get_kv_cache_shape` (K/V planes or not);
+- vLLM 0.24 - 0.28, the V1 runner's `GPUModelRunner._allocate_kv_cache_tensors` and Model Runner
+  V2's `gpu/attn_utils._allocate_kv_cache`: one buffer per KVCacheTensor, or one shared "packed
+  backing" when its `block_stride > 0`, plus each attention group's layer names, shape and
+  stride-order functions (where the block dimension lies in memory). `_allocate_kv_cache` is
+  not given the attention groups upstream, so its caller `init_kv_cache` passes them in;
 - vLLM >= 0.29, `vllm/v1/worker/utils.py:allocate_kv_cache`: one buffer for every layer, plus
   each KVCacheTensor's offset, layer count, layer stride and block stride.
 """
@@ -30,22 +35,30 @@ _INT8_ZEROS = m.Call(
 )
 
 
+_NO_SPACE = cst.SimpleWhitespace("")
+
+
 def _rewrite(call: cst.Call, adapter_function: str, extra_kwargs: str) -> cst.Call:
     extra = cst.parse_expression(f"f(__X__, {extra_kwargs})")
     assert isinstance(extra, cst.Call)
+    # The space (or line break) before the closing parenthesis stays before it.
+    closing = call.args[-1].whitespace_after_arg if call.args else _NO_SPACE
+    added = [*extra.args[1:-1], extra.args[-1].with_changes(whitespace_after_arg=closing)]
     return call.with_changes(
         func=cst.Attribute(value=cst.Name(ADAPTER_ALIAS), attr=cst.Name(adapter_function)),
         args=[cst.Arg(value=cst.parse_expression("torch.zeros")),
-              *(a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in call.args),
-              *extra.args[1:]],
+              *(a.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=_NO_SPACE)
+                for a in call.args),
+              *added],
     )
 
 
 class PerLayerKVBuffers(MethodCodemod):
-    """Back each layer's KV buffer with kvcached (vLLM <= 0.28)."""
+    """Back each layer's KV buffer with kvcached (vLLM <= 0.11)."""
 
     DESCRIPTION = "GPUModelRunner._allocate_kv_cache_tensors: torch.zeros -> per_layer_kv_buffer"
     CLASS_NAME = "GPUModelRunner"
+    ADAPTER = "per_layer_kv_buffer"
     EXTRA = ("kv_cache_config=kv_cache_config, kv_cache_tensor=kv_cache_tensor, "
              "kv_cache_shape=self.attn_backends[0].get_kv_cache_shape")
 
@@ -62,13 +75,112 @@ class PerLayerKVBuffers(MethodCodemod):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if self._method is None:
             return updated_node
-        if is_adapter_call(updated_node, "per_layer_kv_buffer"):
+        if is_adapter_call(updated_node, self.ADAPTER):
             self.record_already_applied()
             return updated_node
         if not m.matches(updated_node, _INT8_ZEROS):
             return updated_node
         self.record_hit()
-        return _rewrite(updated_node, "per_layer_kv_buffer", self.EXTRA)
+        return _rewrite(updated_node, self.ADAPTER, self.EXTRA)
+
+
+def _tensor_extra(attn_groups: str) -> str:
+    """What a 0.24 - 0.28 zeros site passes: the tensor, its packing and the groups' layouts."""
+    return ("kv_cache_config=kv_cache_config, kv_cache_tensor=kv_cache_tensor, "
+            "block_stride=kv_cache_tensor.block_stride, "
+            "kv_layouts=[(g.layer_names, g.backend.get_kv_cache_shape, "
+            f"g.backend.get_kv_cache_stride_order) for gs in {attn_groups} for g in gs]")
+
+
+class TensorKVBuffers(PerLayerKVBuffers):
+    """Back the V1 runner's per-tensor and packed KV buffers with kvcached (vLLM 0.24 - 0.28)."""
+
+    DESCRIPTION = "GPUModelRunner._allocate_kv_cache_tensors: torch.zeros -> kv_tensor_buffer"
+    ADAPTER = "kv_tensor_buffer"
+    EXTRA = _tensor_extra("self.attn_groups")
+
+
+class ModelRunnerV2KVBuffers(FunctionCodemod):
+    """Back Model Runner V2's KV buffers with kvcached (vLLM 0.24 - 0.28).
+
+    Four places: the two zeros sites of `_allocate_kv_cache`, a new `attn_groups=()` parameter
+    of it, and `attn_groups=attn_groups` in the call from `init_kv_cache`.
+    """
+
+    DESCRIPTION = "gpu/attn_utils._allocate_kv_cache: torch.zeros -> kv_tensor_buffer"
+    FUNCTION_NAME = "_allocate_kv_cache"
+    CALLER_NAME = "init_kv_cache"
+    ADAPTER = "kv_tensor_buffer"
+    GROUPS = "attn_groups"
+    EXTRA = _tensor_extra(GROUPS)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_caller = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        super().visit_FunctionDef(node)
+        if node.name.value == self.CALLER_NAME:
+            self._in_caller += 1
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef,
+                          updated_node: cst.FunctionDef) -> cst.FunctionDef:
+        name = original_node.name.value
+        if name == self.CALLER_NAME:
+            self._in_caller -= 1
+        if name == self.FUNCTION_NAME:
+            updated_node = self._with_groups_parameter(updated_node)
+        return super().leave_FunctionDef(original_node, updated_node)
+
+    def _with_groups_parameter(self, node: cst.FunctionDef) -> cst.FunctionDef:
+        params = node.params
+        if any(p.name.value == self.GROUPS for p in (*params.params, *params.kwonly_params)):
+            self.record_already_applied()
+            return node
+        self.record_hit()
+        default = cst.Tuple(elements=[])
+        if params.star_arg is not cst.MaybeSentinel.DEFAULT or params.kwonly_params:
+            added = cst.Param(name=cst.Name(self.GROUPS), default=default)
+            return node.with_changes(params=params.with_changes(
+                kwonly_params=[*params.kwonly_params, added]))
+        existing = list(params.params)
+        closing: cst.BaseParenthesizableWhitespace = _NO_SPACE
+        if existing:
+            closing = existing[-1].whitespace_after_param
+            existing[-1] = existing[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT,
+                                                     whitespace_after_param=_NO_SPACE)
+        added = cst.Param(name=cst.Name(self.GROUPS), default=default,
+                          equal=cst.AssignEqual(whitespace_before=_NO_SPACE,
+                                                whitespace_after=_NO_SPACE),
+                          whitespace_after_param=closing)
+        return node.with_changes(params=params.with_changes(params=[*existing, added]))
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        if self._in_caller and m.matches(updated_node.func, m.Name(self.FUNCTION_NAME)):
+            if any(m.matches(a.keyword, m.Name(self.GROUPS)) for a in updated_node.args):
+                self.record_already_applied()
+                return updated_node
+            self.record_hit()
+            args = list(updated_node.args)
+            closing: cst.BaseParenthesizableWhitespace = _NO_SPACE
+            if args:
+                closing = args[-1].whitespace_after_arg
+                args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT,
+                                                 whitespace_after_arg=_NO_SPACE)
+            passed = cst.Arg(keyword=cst.Name(self.GROUPS), value=cst.Name(self.GROUPS),
+                             equal=cst.AssignEqual(whitespace_before=_NO_SPACE,
+                                                   whitespace_after=_NO_SPACE),
+                             whitespace_after_arg=closing)
+            return updated_node.with_changes(args=[*args, passed])
+        if not self._inside:
+            return updated_node
+        if is_adapter_call(updated_node, self.ADAPTER):
+            self.record_already_applied()
+            return updated_node
+        if not m.matches(updated_node, _INT8_ZEROS):
+            return updated_node
+        self.record_hit()
+        return _rewrite(updated_node, self.ADAPTER, self.EXTRA)
 
 
 class SharedKVBuffer(FunctionCodemod):

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slow
 CORE_TESTS = {
     "vllm-0.9": ["test_prefix_caching.py", "test_specialized_manager.py",
                  "test_kv_cache_utils.py", "test_scheduler.py"],
+    "vllm-0.25": ["test_prefix_caching.py", "test_single_type_kv_cache_manager.py",
+                  "test_kv_cache_utils.py", "test_scheduler.py"],
     "vllm-0.32": ["test_prefix_caching.py", "test_single_type_kv_cache_manager.py",
                   "test_kv_cache_utils.py", "test_scheduler.py"],
 }
@@ -73,7 +75,7 @@ def _run_core_tests(python: Path, tree: Path, files: list[str], hf_home: Path,
     return _outcomes(junit)
 
 
-@pytest.mark.parametrize("cell_name", ["vllm-0.9", "vllm-0.32"])
+@pytest.mark.parametrize("cell_name", ["vllm-0.9", "vllm-0.25", "vllm-0.32"])
 def test_core_tests_pass_on_the_patched_tree(cell_name: str, tmp_path: Path) -> None:
     cell = contract_cell(cell_name)
     python = contract_venv(cell)

@@ -12,7 +12,8 @@ from tests.contract.vllm_contract import ROOT, contract_cell, contract_venv, unp
 
 pytestmark = pytest.mark.slow
 
-BLOCK_POOL_ARGS = {"vllm-0.9": "32, True", "vllm-0.32": "32, True, 16"}
+BLOCK_POOL_ARGS = {"vllm-0.9": "32, True", "vllm-0.25": "32, True, 16",
+                   "vllm-0.32": "32, True, 16"}
 
 SCRIPT = """
 import kvcached_core.integration.vllm as adapter
@@ -53,14 +54,73 @@ marker = pool.capture_release_marker()
 pool.release_retired_through(marker)
 assert pool.snapshot().in_use_pages == 1, pool.snapshot()
 assert bp.get_num_free_blocks() == 3 + 2 * 4
+# Freed blocks go back to the head of vLLM's queue from 0.23 on (LIFO), those of the page just
+# given back included: a new allocation must still get only blocks of backed pages.
+again = bp.get_new_blocks(6)
+backed = {{offset // 4096 for offset in pool.tensors[0].mapped_offsets()}}
+assert {{b.block_id // 4 for b in again}} <= backed, ([b.block_id for b in again], backed)
+assert len({{b.block_id for b in again}}) == 6
+bp.free_blocks(again)
+assert bp.release_idle_pages(16) == 1
 assert bp.reset_prefix_cache()
 pools.close(pool_name())
 print("OK")
 """
 
 
-@pytest.mark.parametrize("cell_name", ["vllm-0.9", "vllm-0.32"])
-def test_elastic_pool_backs_blocks_by_page(cell_name: str, tmp_path: Path) -> None:
+PARKING_SCRIPT = """
+import kvcached_core.integration.vllm as adapter
+from kvcached_core.integration.vllm import pools
+from kvcached_core.integration.vllm.config import pool_name
+from kvcached_core.pool import KVPool
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core import kv_cache_utils
+
+# 256 vLLM blocks, 4 to a page: 64 pages, none backed but the null block's.
+pool = KVPool.create(pool_name(), num_layers=1, num_kv_buffers=1, block_bytes=4096,
+                     virtual_bytes_per_layer=64 * 4096, page_size=4096, min_reserved=0,
+                     max_reserved=0, prealloc=False, defer_physical_release=True,
+                     share_limits=False, export_metrics=False)
+pools.register(pools.EnginePool(pool_name(), pool, 4, 256))
+bp = adapter.make_block_pool(BlockPool, {args_256})
+queue_type = type(bp.free_block_queue)
+passed = [0]
+popleft = queue_type.popleft
+def counting_popleft(self):
+    passed[0] += 1
+    return popleft(self)
+queue_type.popleft = counting_popleft
+
+held = []
+for _ in range(40):
+    # Grow by a page, give the page back, again: the allocator hands out pages in its own
+    # order, so the blocks it backs may lie anywhere in vLLM's free queue.
+    blocks = bp.get_new_blocks(4)
+    assert all(bp._kv_held[b.block_id // 4] for b in blocks)
+    held.append(blocks[0])
+    bp.free_blocks(blocks[1:])
+    bp.release_idle_pages(16)
+    marker = pool.capture_release_marker()
+    pool.release_retired_through(marker)
+# Every block is passed over at most once on its way to a backed page (parked meanwhile),
+# not once per allocation: a few per cycle, far below 40 walks through the whole queue.
+assert passed[0] <= 40 * 16 + 256, passed[0]
+logical = bp.free_block_queue.num_free_blocks + bp._kv_parked_count
+assert logical == 256 - 1 - len(held), (logical, len(held))
+bp._kv_logical_view = True
+assert bp.get_num_free_blocks() == logical
+bp._kv_logical_view = False
+bp.free_blocks(held)
+assert bp.release_idle_pages(16) >= 1
+assert bp.reset_prefix_cache()
+pools.close(pool_name())
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("cell_name", ["vllm-0.9", "vllm-0.25", "vllm-0.32"])
+@pytest.mark.parametrize("script", [SCRIPT, PARKING_SCRIPT], ids=["page-backing", "parking"])
+def test_elastic_pool_backs_blocks_by_page(cell_name: str, script: str, tmp_path: Path) -> None:
     cell = contract_cell(cell_name)
     python = contract_venv(cell)
     sdist = unpacked_sdist(cell, tmp_path)
@@ -69,6 +129,8 @@ def test_elastic_pool_backs_blocks_by_page(cell_name: str, tmp_path: Path) -> No
     (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
     env["PYTHONPATH"] = f"{sdist}{os.pathsep}{imports}"
-    done = subprocess.run([str(python), "-c", SCRIPT.format(args=BLOCK_POOL_ARGS[cell_name])],
+    args = BLOCK_POOL_ARGS[cell_name]
+    source = script.format(args=args, args_256=args.replace("32", "256", 1))
+    done = subprocess.run([str(python), "-c", source],
                           env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

@@ -2,9 +2,13 @@
 
     python vllm_cpu_run.py model OUT_DIR
     python vllm_cpu_run.py generate MODEL_DIR RESULT_JSON [--rounds N] [--no-memory-sampling]
+                                    [--mp-workers TP]
 
-`generate` runs vLLM in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) so the
-patched engine's KV pool, its counters and the host backend's memory are visible here. It
+`generate` runs vLLM's engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the
+patched engine's KV pool and its counters are visible here. By default the worker runs here too
+(uni executor) and the host backend's memory is read directly; with `--mp-workers TP` the mp
+executor runs TP tensor-parallel workers in their own processes and their KV memory is read
+from the workers' side (each rank's listener reports its mapped pages and committed bytes). It
 writes greedy token ids, vLLM's own prefix-cache and preemption counters, and (patched engine)
 the KV resident memory before, at the peak of and after the burst.
 Everything outside the standard library is imported lazily: the test imports this module for
@@ -80,6 +84,7 @@ class MemorySampler:
     """Samples the KV pool's mapped bytes and this process's RssShmem while a burst runs."""
 
     read: Any
+    interval_s: float = 0.002
     peak: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -98,7 +103,7 @@ class MemorySampler:
         while not self._stop.is_set():
             for key, value in self.read().items():
                 self.peak[key] = max(self.peak.get(key, 0), value)
-            self._stop.wait(0.002)
+            self._stop.wait(self.interval_s)
 
 
 def rss_shmem_bytes() -> int:
@@ -119,17 +124,26 @@ def kv_memory_reader() -> Any:
         return None
     (engine_pool,) = found
     pool = engine_pool.pool
+    mapper = engine_pool.mapper
 
     def read() -> dict[str, int]:
         snapshot = pool.snapshot()
         page_bytes = pool.geometry.page_bytes_all_layers
-        return {
+        counters = {
             "in_use_bytes": snapshot.in_use_pages * page_bytes,
             "mapped_bytes": pool.mapped_bytes(),
             "reserve_pool_bytes": snapshot.reserve_pool_pages * page_bytes,
-            "committed_bytes": int(pool.backend.committed_bytes()),
-            "rss_shmem_bytes": rss_shmem_bytes(),
         }
+        if mapper is None:  # the tensors are in this process
+            return {**counters, "committed_bytes": int(pool.backend.committed_bytes()),
+                    "rss_shmem_bytes": rss_shmem_bytes()}
+        states = mapper.worker_states()
+        mapped = {len(state.mapped) for state in states}
+        return {**counters, "ranks": len(states),
+                "ranks_disagree": int(len(mapped) != 1),
+                "worker_mapped_pages": max(mapped),
+                "worker_resident_bytes": sum(int(state.resident_bytes or 0)
+                                             for state in states)}
 
     return read
 
@@ -143,12 +157,15 @@ def metric_totals(llm: Any) -> dict[str, float]:
     return totals
 
 
-def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool) -> None:
+def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool,
+             mp_workers: int = 0) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    executor = {"distributed_executor_backend": "mp", "tensor_parallel_size": mp_workers} \
+        if mp_workers else {"distributed_executor_backend": "uni"}
     llm = LLM(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-              block_size=BLOCK_SIZE, enforce_eager=True, distributed_executor_backend="uni",
+              block_size=BLOCK_SIZE, enforce_eager=True, **executor,
               kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True, seed=0,
               disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -163,7 +180,8 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
     for _ in range(rounds):
         started = time.perf_counter()
         if sampling:
-            with MemorySampler(sampling) as sampler:
+            # Worker-side readings are socket round trips: sample them less often.
+            with MemorySampler(sampling, interval_s=0.02 if mp_workers else 0.002) as sampler:
                 results = llm.generate(prompts, params, use_tqdm=False)
             for key, value in sampler.peak.items():
                 peak[key] = max(peak.get(key, 0), value)
@@ -205,8 +223,9 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[1] == "generate":
         rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 1
+        mp_workers = int(argv[argv.index("--mp-workers") + 1]) if "--mp-workers" in argv else 0
         generate(Path(argv[2]), Path(argv[3]), rounds,
-                 sample_memory="--no-memory-sampling" not in argv)
+                 sample_memory="--no-memory-sampling" not in argv, mp_workers=mp_workers)
         return 0
     raise SystemExit(f"unknown command {argv[1]!r}")
 

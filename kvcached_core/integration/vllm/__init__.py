@@ -18,7 +18,11 @@ from kvcached_core.integration.vllm.engine import (
     none_on_pool_exhausted,
     released_after_step,
 )
-from kvcached_core.integration.vllm.kv_buffers import per_layer_kv_buffer, shared_kv_buffer
+from kvcached_core.integration.vllm.kv_buffers import (
+    kv_tensor_buffer,
+    per_layer_kv_buffer,
+    shared_kv_buffer,
+)
 from kvcached_core.integration.vllm.pools import EnginePool, engine_pools
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "engine_pools",
     "engine_settings",
     "kv_cache_budget",
+    "kv_tensor_buffer",
     "make_block_pool",
     "none_on_pool_exhausted",
     "per_layer_kv_buffer",

@@ -13,7 +13,7 @@ physically backed. A ledger page holds `k` consecutive vLLM blocks. The pool:
 
 It uses only BlockPool interfaces present in every supported vLLM: `blocks`, `num_gpu_blocks`,
 `enable_caching`, `free_block_queue` (`num_free_blocks`, `popleft`, `append`, `remove`,
-`get_all_free_blocks`, construction from a block list), `get_new_blocks`, `free_blocks`,
+construction from a block list), `get_new_blocks`, `free_blocks`,
 `reset_prefix_cache`, `get_num_free_blocks`, `_maybe_evict_cached_block`, and per block
 `block_id`, `ref_cnt`, `block_hash`. `unpin_blocks` (newer vLLMs only) is followed where the
 engine calls it: an override no older engine ever reaches.
@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvcached_core.errors import PoolExhausted
-from kvcached_core.integration.vllm import pools
+from kvcached_core.integration.vllm import pools, workers
 from kvcached_core.integration.vllm.config import engine_settings, pool_name
 
 
@@ -42,7 +42,7 @@ class ElasticBlockPoolMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         settings = engine_settings()
-        engine_pool = pools.lookup(pool_name())
+        engine_pool = workers.scheduler_pool(pool_name())
         if engine_pool is None or engine_pool.attached:
             engine_pool = pools.private_pool(self.num_gpu_blocks, settings)
         elif engine_pool.num_blocks < self.num_gpu_blocks:
@@ -57,7 +57,18 @@ class ElasticBlockPoolMixin:
         self._kv_k = engine_pool.blocks_per_page
         num_pages = -(-self.num_gpu_blocks // self._kv_k)
         self._kv_held = bytearray(num_pages)
+        self._kv_held_pages: set[int] = set()
+        # When each page last had a block freed (a tick per free_blocks call): trimming evicts
+        # the least recently freed pages first without walking vLLM's free queue, which holds
+        # every block of the virtual KV space (hundreds of thousands on a large GPU).
+        self._kv_page_freed_at = [0] * num_pages
+        self._kv_free_tick = 0
         self._kv_unheld_blocks = self.num_gpu_blocks
+        # Free blocks of unbacked pages met at the head of vLLM's free queue are parked here,
+        # out of the queue, until their page is backed: each is passed over once instead of
+        # on every allocation (the queue holds every block of the virtual KV space).
+        self._kv_parked: dict[int, list[Any]] = {}
+        self._kv_parked_count = 0
         self._kv_dirty: set[int] = set()
         self._kv_logical_view = False
         self._kv_max_cached_tokens = settings.max_cached_tokens
@@ -78,21 +89,33 @@ class ElasticBlockPoolMixin:
 
     def _hold_page(self, page: int) -> None:
         self._kv_held[page] = 1
+        self._kv_held_pages.add(page)
         self._kv_unheld_blocks -= self._page_blocks(page)
+        parked = self._kv_parked.pop(page, None)
+        if parked:
+            self._kv_parked_count -= len(parked)
+            queue = self.free_block_queue
+            for block in parked:
+                queue.append(block)
 
     def _drop_page(self, page: int) -> None:
         self._kv_held[page] = 0
+        self._kv_held_pages.discard(page)
         self._kv_unheld_blocks += self._page_blocks(page)
 
     def _held_free_blocks(self) -> int:
-        return int(self.free_block_queue.num_free_blocks) - self._kv_unheld_blocks
+        queued_unheld = self._kv_unheld_blocks - self._kv_parked_count
+        return int(self.free_block_queue.num_free_blocks) - queued_unheld
+
+    def _logical_free_blocks(self) -> int:
+        return int(self.free_block_queue.num_free_blocks) + self._kv_parked_count
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free in held pages, plus mappable pages."""
         if self._kv_logical_view:
-            return int(self.free_block_queue.num_free_blocks)
+            return self._logical_free_blocks()
         unheld = self._kv_unheld_blocks
-        held_free = int(self.free_block_queue.num_free_blocks) - unheld
+        held_free = self._held_free_blocks()
         if unheld == 0:
             return held_free
         return held_free + min(unheld, self._kv_mappable_pages() * self._kv_k)
@@ -100,7 +123,7 @@ class ElasticBlockPoolMixin:
     # ------------------------------------------------------------------ allocation
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
-        if num_blocks > int(self.free_block_queue.num_free_blocks):
+        if num_blocks > self._logical_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         available = self.get_num_free_blocks()
         if num_blocks > available:
@@ -111,22 +134,26 @@ class ElasticBlockPoolMixin:
         self._map_pages_for(num_blocks - self._held_free_blocks())
         queue = self.free_block_queue
         chosen: list[Any] = []
-        skipped: list[Any] = []
-        held, k = self._kv_held, self._kv_k
+        held, k, parked = self._kv_held, self._kv_k, self._kv_parked
         while len(chosen) < num_blocks:
             block = queue.popleft()
-            (chosen if held[block.block_id // k] else skipped).append(block)
-        for block in skipped:
-            # Blocks of unbacked pages carry no data; they wait at the tail for their page.
-            queue.append(block)
+            page = block.block_id // k
+            if held[page]:
+                chosen.append(block)
+            else:
+                # A block of an unbacked page carries no data: it waits for its page.
+                parked.setdefault(page, []).append(block)
+                self._kv_parked_count += 1
         # vLLM's own get_new_blocks does the per-block work (cache eviction, KV events,
         # ref counts, metrics) on exactly the chosen blocks, in queue order.
         self.free_block_queue = type(queue)(chosen)
+        parked_count, self._kv_parked_count = self._kv_parked_count, 0
         self._kv_logical_view = True
         try:
             return super().get_new_blocks(num_blocks)  # type: ignore[misc,no-any-return]
         finally:
             self.free_block_queue = queue
+            self._kv_parked_count = parked_count
             self._kv_logical_view = False
 
     def _map_pages_for(self, missing_blocks: int) -> None:
@@ -152,7 +179,12 @@ class ElasticBlockPoolMixin:
         blocks = list(ordered_blocks)
         super().free_blocks(blocks)  # type: ignore[misc]
         k = self._kv_k
-        self._kv_dirty.update(block.block_id // k for block in blocks)
+        pages = {block.block_id // k for block in blocks}
+        self._kv_dirty.update(pages)
+        self._kv_free_tick += 1
+        freed_at, tick = self._kv_page_freed_at, self._kv_free_tick
+        for page in pages:
+            freed_at[page] = tick
 
     def unpin_blocks(self, blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
         """Where the engine has it: unpinned blocks rejoin the free queue, so a page may have
@@ -167,7 +199,7 @@ class ElasticBlockPoolMixin:
         finally:
             self._kv_logical_view = False
         if reset:
-            self._kv_dirty.update(p for p, held in enumerate(self._kv_held) if held)
+            self._kv_dirty.update(self._kv_held_pages)
         return reset
 
     # ------------------------------------------------------------------ release
@@ -207,13 +239,9 @@ class ElasticBlockPoolMixin:
     def _trim_cached_pages(self, cap_tokens: int, block_tokens: int) -> list[int]:
         """Evict whole pages of cached free blocks, least recently freed first, down to the cap."""
         k = self._kv_k
-        last_use: dict[int, int] = {}
-        for position, block in enumerate(self.free_block_queue.get_all_free_blocks()):
-            page = block.block_id // k
-            if page != 0 and self._kv_held[page]:
-                last_use[page] = position
         candidates = sorted(
-            (p for p in last_use if self._page_is_idle(p, cached_ok=True)), key=last_use.__getitem__
+            (p for p in self._kv_held_pages if p != 0 and self._page_is_idle(p, cached_ok=True)),
+            key=self._kv_page_freed_at.__getitem__,
         )
         trimmed: list[int] = []
         for page in candidates:

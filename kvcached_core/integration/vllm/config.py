@@ -37,6 +37,17 @@ def virtual_kv_bytes(environ: Mapping[str, str] | None = None) -> int | None:
         raise KVCachedConfigError(f"{VIRTUAL_SIZE_ENV}: {exc}") from None
 
 
+def vllm_zero_page_writable(settings: KVCachedSettings) -> bool:
+    """Whether unbacked KV pages take writes: yes unless `KVCACHED_ZERO_PAGE=read-only`.
+
+    vLLM's dummy runs (warm-up, CUDA graph capture; Model Runner V2 in 0.25 at least) write
+    the KV of padding tokens into blocks no request owns, which stock memory absorbs and a
+    read-only zero page turns into an illegal-address fault. No request ever reads a block it
+    does not own, so what those writes leave behind is never seen.
+    """
+    return settings.zero_page_writable is not False
+
+
 def pool_name(environ: Mapping[str, str] | None = None) -> str:
     """Name of this engine's pool (its shared limit record): `KVCACHED_POOL_NAME` or vllm-<pid>."""
     env = os.environ if environ is None else environ

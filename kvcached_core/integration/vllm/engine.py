@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
-from kvcached_core.integration.vllm import pools
+from kvcached_core.integration.vllm import pools, workers
 from kvcached_core.integration.vllm.block_pool import ElasticBlockPoolMixin
 from kvcached_core.integration.vllm.config import engine_settings, pool_name, virtual_kv_bytes
 
@@ -21,13 +21,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def check_single_process(executor_backend: object, world_size: int) -> None:
     """Refuse configurations whose workers live outside the scheduler's process."""
-    if executor_backend in (None, "uni") and world_size == 1:
+    if not workers_in_other_processes(executor_backend, world_size):
         return
     raise KVCachedConfigError(
-        "elastic KV cache (kvcached) needs the scheduler and the worker in one process: "
-        f"this engine uses the {executor_backend!r} executor with world size {world_size}. "
-        "Use one device with distributed_executor_backend='uni', or set KVCACHED_ENABLE=0 "
-        "for the stock KV cache."
+        "this elastic KV cache needs the scheduler and the worker in one process: "
+        f"this engine uses the {executor_backend!r} executor with world size {world_size}"
+    )
+
+
+def workers_in_other_processes(executor_backend: object, world_size: int) -> bool:
+    """False for the uni executor (scheduler and worker in one process), True for the mp
+    executor (any world size); every other executor is refused, naming what is supported."""
+    if executor_backend in (None, "uni") and world_size == 1:
+        return False
+    if executor_backend == "mp" or (executor_backend is None and world_size > 1):
+        return True
+    raise KVCachedConfigError(
+        f"elastic KV cache (kvcached) does not support the {executor_backend!r} executor "
+        f"(world size {world_size}): use distributed_executor_backend='uni' (one device) or "
+        "'mp' (workers in their own processes, any tensor or pipeline parallel size), or set "
+        "KVCACHED_ENABLE=0 for the stock KV cache."
     )
 
 
@@ -39,17 +52,27 @@ def kv_cache_budget(
     user_num_blocks: int | None,
     executor_backend: object,
     world_size: int,
+    pipeline_size: int = 1,
 ) -> list[int]:
     """The KV bytes vLLM sizes its block table from: the virtual KV size.
 
     vLLM's own `kv_cache_memory_bytes` / `num_gpu_blocks_override` win when a user set them;
     otherwise `KVCACHED_VIRTUAL_SIZE` if set, else vLLM's profiled budget. The result is rounded
     down so that every layer region is whole kvcached pages (what the KV buffers need).
+
+    When the executor runs the workers in other processes, the job is announced here, before
+    the workers allocate their KV buffers, so that they serve them to this scheduler.
     """
     settings = engine_settings()
     if not settings.enabled:
         return available
-    check_single_process(executor_backend, world_size)
+    if workers_in_other_processes(executor_backend, world_size):
+        if world_size % pipeline_size:
+            raise KVCachedConfigError(
+                f"world size {world_size} is not a multiple of the pipeline size {pipeline_size}"
+            )
+        workers.announce_job(pool_name(), tp_size=world_size // pipeline_size,
+                             pp_size=pipeline_size)
     sizes = list(block_bytes_per_layer)
     if not sizes:
         return available
@@ -90,6 +113,21 @@ def released_after_step(*, pipelined: bool) -> Callable[[F], F]:
     A page freed in step N is retired at epoch N; it is unmapped once every batch submitted by
     then has finished: at once after a synchronous step, after `batch_queue_size` more steps
     when batches are queued.
+
+    Why that is enough with worker processes (the mp executor; spec 7.9, release barrier):
+    - `step` returns only after the executor handed back the batch's output. Only one rank
+      sends it, but every layer's attention on every rank is followed by a tensor-parallel
+      all-reduce that rank waits for (and pipeline stages hand activations on in order), so
+      when the output arrives every rank has finished reading and writing that batch's KV.
+      Blocks freed while processing it belong to no later batch, so their pages may be
+      unmapped before the next step is submitted.
+    - `step_with_batch_queue` keeps at most `batch_queue_size` (Q) batches in flight and
+      completes them in submission order; a step either submits (only while fewer than Q are
+      in flight) or completes the oldest. Of the m <= Q batches in flight when a page is freed,
+      at most Q - m submissions and m completions can happen before the last of them
+      completes: after Q more steps none of them can still read the page.
+    - The unmap itself is a two-phase broadcast (`ipc.BroadcastMapper`), so no rank drops a
+      page that another keeps.
     """
 
     def decorate(step: F) -> F:
@@ -117,14 +155,35 @@ def on_step_end(core: Any, block_pool: ElasticBlockPoolMixin, lag: int) -> None:
     epochs.markers.append(pool.capture_release_marker())
     while len(epochs.markers) > lag:
         pool.release_retired_through(epochs.markers.popleft())
+    if pool.page_allocator.num_reserved and not core.scheduler.has_unfinished_requests():
+        # The engine has drained: an idle engine keeps no spare pages. Reserve pages hold no
+        # block, so no queued batch can read them; the next allocation refills the reserve.
+        pool.trim()
+
+
+def _request_keyed_dicts(manager: Any) -> tuple[str, ...]:
+    """Names of the dict attributes of a single-type manager (besides `req_to_blocks`): the
+    per-request bookkeeping `allocate_slots` may touch (`num_cached_block`, partial-hit
+    records, ...). Found once per manager class, so no version knows their names."""
+    cls = type(manager)
+    names: tuple[str, ...] | None = cls.__dict__.get("_kvcached_request_dicts")
+    if names is None:
+        names = tuple(sorted(name for name, value in vars(manager).items()
+                             if isinstance(value, dict) and name != "req_to_blocks"))
+        cls._kvcached_request_dicts = names
+    return names
+
+
+_ABSENT = object()
 
 
 def none_on_pool_exhausted(allocate_slots: F) -> F:
     """Decorate KVCacheManager.allocate_slots: a lost page race ends as "no blocks" (None).
 
     Another engine may take the last physical page between the capacity check and the
-    allocation. Every block this call added to the request (new blocks, touched cached ones)
-    is given back, so the scheduler preempts or waits as if the check had failed. Only
+    allocation. The request is put back exactly as it was before the call: every block the
+    call added (new blocks, touched cached ones) is given back and the managers' per-request
+    bookkeeping restored, so the scheduler preempts or waits as if the check had failed. Only
     PoolExhausted is handled; every other error stays fatal.
     """
 
@@ -132,24 +191,39 @@ def none_on_pool_exhausted(allocate_slots: F) -> F:
     def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         managers = self.coordinator.single_type_managers
         request_id = request.request_id
-        before = [len(m.req_to_blocks.get(request_id, ())) for m in managers]
+        before = [len(m.req_to_blocks[request_id]) if request_id in m.req_to_blocks else None
+                  for m in managers]
+        saved = [{name: getattr(m, name).get(request_id, _ABSENT)
+                  for name in _request_keyed_dicts(m)} for m in managers]
         try:
             return allocate_slots(self, request, *args, **kwargs)
         except PoolExhausted:
-            for manager, count in zip(managers, before, strict=True):
+            for manager, count, state in zip(managers, before, saved, strict=True):
                 blocks = manager.req_to_blocks.get(request_id)
-                if blocks is None or len(blocks) <= count:
-                    continue
-                added = blocks[count:]
-                del blocks[count:]
-                manager.block_pool.free_blocks(reversed(added))
+                if blocks is not None and len(blocks) > (count or 0):
+                    added = blocks[count or 0:]
+                    del blocks[count or 0:]
+                    manager.block_pool.free_blocks(reversed(added))
+                if count is None:
+                    manager.req_to_blocks.pop(request_id, None)
+                for name, value in state.items():
+                    table = getattr(manager, name)
+                    if value is _ABSENT:
+                        table.pop(request_id, None)
+                    else:
+                        table[request_id] = value
             return None
 
     return wrapper  # type: ignore[return-value]
 
 
 def close_on_shutdown(shutdown: F) -> F:
-    """Decorate EngineCore.shutdown: release every page and remove the shared-memory record."""
+    """Decorate EngineCore.shutdown: release every page and remove the shared-memory record.
+
+    With worker processes, vLLM's shutdown stops the workers first (each stops its listener
+    and removes its socket); then the pool, the coordinator and the job's announcement go.
+    Closing never maps or unmaps, so it does not need the workers any more.
+    """
 
     @functools.wraps(shutdown)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -157,6 +231,10 @@ def close_on_shutdown(shutdown: F) -> F:
             return shutdown(self, *args, **kwargs)
         finally:
             if engine_settings().enabled:
-                pools.close(pool_name())
+                name = pool_name()
+                try:
+                    pools.close(name)
+                finally:
+                    workers.withdraw_job(name)
 
     return wrapper  # type: ignore[return-value]

@@ -5,7 +5,11 @@ backend's shape. Every supported layout is, per buffer, `R` equal *regions* in w
 `b` is the contiguous range `[r * region + b * unit, + unit)`:
 
 - one buffer per layer (vLLM <= 0.28): FlashAttention / CPU shapes `(2, B, ...)` have R = 2
-  (a K and a V plane), FlashInfer `(B, 2, ...)` has R = 1;
+  (a K and a V plane), FlashInfer `(B, 2, ...)` has R = 1; in general R is the product of the
+  dimensions that lie outside the block dimension in memory (the backend's shape permuted by its
+  stride order), so 0.23 - 0.28's blocks-first `(B, 2, N, H, D)` / `(B, H, N, 2D)` have R = 1;
+- one "packed backing" for every layer (vLLM 0.24 - 0.28 with a KVCacheTensor `block_stride`):
+  block `b` is the contiguous range `[b * block_stride, + block_stride)` of every layer: R = 1;
 - one buffer for all layers (vLLM >= 0.29), layer-outermost layouts (`LB...`): R = layers,
   region = layer stride; block-outermost layouts (`BL...`): R = 1, unit = block stride.
 
@@ -16,17 +20,30 @@ blocks of page `p` are backed in every layer and plane together.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.integration.vllm import pools
-from kvcached_core.integration.vllm.config import engine_settings, pool_name
+from kvcached_core.integration.vllm import pools, workers
+from kvcached_core.integration.vllm.config import (
+    engine_settings,
+    pool_name,
+    vllm_zero_page_writable,
+)
 from kvcached_core.native import as_tensor
 from kvcached_core.pool import KVPool
 
 Zeros = Callable[..., Any]
+ShapeOf = Callable[..., Sequence[int]]
+StrideOrderOf = Callable[[], Sequence[int]]
+#: One attention group as a zeros site passes it: its layer names, the backend's
+#: `get_kv_cache_shape` and `get_kv_cache_stride_order`.
+KVLayout = tuple[Sequence[str], ShapeOf, StrideOrderOf]
 logger = logging.getLogger(__name__)
+
+# A number of blocks no other dimension of a KV shape takes, to find the block dimension.
+_PROBE_BLOCKS = 1_234_577
 
 
 def _backend_of(device: Any) -> tuple[str, int]:
@@ -40,7 +57,10 @@ def _backend_of(device: Any) -> tuple[str, int]:
 
 
 def _create_pool(device: Any, *, num_tensors: int, regions: int, region_bytes: int,
-                 unit_bytes: int) -> pools.EnginePool:
+                 unit_bytes: int, contiguous: bool = False) -> pools.EnginePool:
+    """The engine's pool: `num_tensors` buffers of `regions` regions of `region_bytes`, in
+    which a block is `unit_bytes`. `contiguous`: one compound page per ledger page holding
+    that page's blocks of every buffer (see `_contiguous_layer_view`)."""
     settings = engine_settings()
     page = settings.page_size
     ledger_unit = max(page, unit_bytes)
@@ -61,6 +81,12 @@ def _create_pool(device: Any, *, num_tensors: int, regions: int, region_bytes: i
     stale = pools.lookup(name)
     if stale is not None and not stale.attached:
         pools.close(name)  # a profiling-time allocation that the real one replaces
+    served = workers.served_pool(name, backend=backend, device=index, num_tensors=num_tensors,
+                                 regions=regions, region_bytes=region_bytes,
+                                 ledger_unit=ledger_unit, unit_bytes=unit_bytes,
+                                 contiguous=contiguous)
+    if served is not None:  # a worker process of an mp-executor engine
+        return served
     pool = KVPool.create(
         name,
         backend=backend,  # type: ignore[arg-type]
@@ -70,11 +96,14 @@ def _create_pool(device: Any, *, num_tensors: int, regions: int, region_bytes: i
         block_bytes=ledger_unit,
         virtual_bytes_per_layer=regions * region_bytes,
         page_size=page,
+        contiguous=contiguous,
         min_reserved=settings.min_reserved_pages,
         max_reserved=settings.max_reserved_pages,
         prealloc=settings.prealloc,
         physical_limit_bytes=settings.physical_limit_bytes,
         defer_physical_release=True,
+        budget=settings.budget,
+        zero_page_writable=vllm_zero_page_writable(settings),
     )
     engine_pool = pools.EnginePool(name, pool, ledger_unit // unit_bytes,
                                    region_bytes // unit_bytes)
@@ -124,6 +153,139 @@ def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                                 region_bytes=int(size) // regions,
                                 unit_bytes=page_bytes // regions)
     return _flat(existing.pool.tensors[layer], int(size))
+
+
+def planes_outside_blocks(kv_cache_shape: ShapeOf, kv_cache_stride_order: StrideOrderOf, *,
+                          block_size: int, num_kv_heads: int, head_size: int) -> int:
+    """How many equal regions a layer buffer has in which block `b` is one contiguous range:
+    the product of the dimensions laid out outside the block dimension in memory.
+
+    A backend without its own stride order raises NotImplementedError, which vLLM reads as
+    "memory order is the shape's order".
+    """
+    shape = tuple(int(d) for d in kv_cache_shape(_PROBE_BLOCKS, block_size, num_kv_heads,
+                                                 head_size))
+    try:
+        order = tuple(int(i) for i in kv_cache_stride_order())
+    except NotImplementedError:
+        order = tuple(range(len(shape)))
+    if sorted(order) != list(range(len(shape))) or shape.count(_PROBE_BLOCKS) != 1:
+        raise KVCachedConfigError(
+            f"cannot tell where the blocks lie in KV cache shape {shape} with stride order "
+            f"{order}"
+        )
+    in_memory = [shape[i] for i in order]
+    return math.prod(in_memory[:in_memory.index(_PROBE_BLOCKS)])
+
+
+def _whole_pages(region_bytes: int, unit_bytes: int) -> int:
+    """`region_bytes` rounded up to whole ledger pages (what `_create_pool` needs)."""
+    ledger_unit = max(engine_settings().page_size, unit_bytes)
+    return -(-region_bytes // ledger_unit) * ledger_unit
+
+
+def _regions_of_tensor(kv_cache_tensor: Any, spec: Any, kv_layouts: Sequence[KVLayout]) -> int:
+    layer_names = set(kv_cache_tensor.shared_by)
+    counts = {
+        planes_outside_blocks(shape_of, stride_order_of, block_size=int(spec.block_size),
+                              num_kv_heads=int(spec.num_kv_heads),
+                              head_size=int(spec.head_size))
+        for names, shape_of, stride_order_of in kv_layouts if layer_names & set(names)
+    }
+    if len(counts) != 1:
+        raise KVCachedConfigError(
+            f"KV cache layers {sorted(layer_names)} have "
+            f"{'no known attention layout' if not counts else 'different layouts'}; "
+            "set KVCACHED_ENABLE=0"
+        )
+    return counts.pop()
+
+
+def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
+                     kv_cache_config: Any, kv_cache_tensor: Any, block_stride: int,
+                     kv_layouts: Sequence[KVLayout]) -> Any:
+    """The raw buffer of one KVCacheTensor, or the packed backing of all of them (vLLM 0.24 -
+    0.28: V1 `_allocate_kv_cache_tensors`, Model Runner V2 `_allocate_kv_cache`).
+
+    `block_stride` is the tensor's packed block stride (0: not packed); `kv_layouts` lists each
+    attention group as (layer names, `get_kv_cache_shape`, `get_kv_cache_stride_order`).
+    Every layer's buffer is one kvcached tensor of a single pool, so mapping ledger page `p`
+    backs the blocks of page `p` in every layer and plane at once. With R = 1 the address
+    space is rounded up to whole pages (vLLM's minimal profiling cache need not be whole
+    pages); the buffer is its first `size` bytes.
+    """
+    if not engine_settings().enabled:
+        return zeros(size, dtype=dtype, device=device)
+    size = int(size)
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    if int(block_stride) > 0:
+        # One backing for every layer of every group: block b is one contiguous range, so a
+        # page backs the same block ids of every group (they share one block pool).
+        engine_pool = _create_pool(device, num_tensors=1, regions=1,
+                                   region_bytes=_whole_pages(size, int(block_stride)),
+                                   unit_bytes=int(block_stride))
+        return _flat(engine_pool.pool.tensors[0], size)
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KVCachedConfigError(
+            f"elastic KV cache supports one KV cache group, this model has {len(groups)}; "
+            "set KVCACHED_ENABLE=0"
+        )
+    if any(int(t.size) != size for t in tensors):
+        raise KVCachedConfigError("elastic KV cache needs every layer's KV buffer the same size")
+    spec = groups[0].kv_cache_spec
+    page_bytes = int(spec.page_size_bytes)
+    regions = _regions_of_tensor(kv_cache_tensor, spec, kv_layouts)
+    if page_bytes % regions or size % page_bytes:
+        raise KVCachedConfigError(
+            f"a KV buffer of {size} bytes in {regions} region(s) is not whole blocks of "
+            f"{page_bytes} bytes"
+        )
+    unit_bytes = page_bytes // regions
+    region_bytes = size // regions
+    if regions == 1:
+        region_bytes = _whole_pages(region_bytes, unit_bytes)
+    index = next(i for i, t in enumerate(tensors) if t is kv_cache_tensor)
+    contiguous = engine_settings().contiguous_layout
+    if contiguous and getattr(spec, "page_size_padded", None) is not None:
+        # vLLM reads padded pages through an as_strided view of the raw storage, which would
+        # not see this layout's block stride.
+        raise KVCachedConfigError(
+            "KVCACHED_LAYOUT=contiguous does not support padded KV pages; use "
+            "KVCACHED_LAYOUT=per-layer"
+        )
+    if contiguous and regions != 1:
+        raise KVCachedConfigError(
+            "KVCACHED_LAYOUT=contiguous needs a blocks-first KV layout (a block is one range "
+            f"of a layer's buffer); this attention backend puts {regions} planes outside the "
+            "blocks: use KVCACHED_LAYOUT=per-layer"
+        )
+    existing = pools.lookup(pool_name())
+    if index == 0 or existing is None or existing.attached:
+        existing = _create_pool(device, num_tensors=len(tensors), regions=regions,
+                                region_bytes=region_bytes, unit_bytes=unit_bytes,
+                                contiguous=contiguous)
+    if contiguous:
+        return _contiguous_layer_view(existing.pool.tensors[0], index, len(tensors), size,
+                                      unit_bytes)
+    return _flat(existing.pool.tensors[index], size)
+
+
+def _contiguous_layer_view(ftensor: Any, layer: int, num_layers: int, size: int,
+                           unit_bytes: int) -> Any:
+    """Layer `layer`'s raw buffer inside the one compound tensor of the contiguous layout.
+
+    Block `b` of layer `l` lies at `(b * num_layers + l) * unit_bytes`: every layer of a
+    ledger page's blocks is one compound page, so growing by a page is one physical mapping
+    instead of one per layer. vLLM views the raw buffer with `.view(dtype).view(shape)`,
+    which accepts this `(blocks, unit_bytes)` tensor with a row stride of `num_layers` blocks
+    because the block dimension stays outermost: the same bytes of block `b` a stock buffer
+    has, at a different distance between blocks.
+    """
+    import torch
+
+    return as_tensor(ftensor, torch.int8, (size // unit_bytes, unit_bytes),
+                     strides=(num_layers * unit_bytes, 1), offset=layer * unit_bytes)
 
 
 def shared_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,

@@ -1,16 +1,21 @@
 """The KV pools of this process, shared by vLLM's worker (which creates them) and scheduler.
 
 When scheduler and worker run in one process (the uni executor), the worker creates the pool
-while allocating its KV buffers and the scheduler's block pool attaches to it by name. A
-scheduler built with no worker in the process (vLLM's own unit tests, offline planning) gets a
-private host pool with the same number of blocks, so it runs the same elastic code paths.
+while allocating its KV buffers and the scheduler's block pool attaches to it by name. When the
+workers live in other processes (the mp executor), each worker registers the pool of its own
+tensors and serves it on its rank's socket, and the scheduler registers a pool with no tensors
+that maps through every rank (`workers.py`). A scheduler built with no worker in the process
+(vLLM's own unit tests, offline planning) gets a private host pool with the same number of
+blocks, so it runs the same elastic code paths.
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.pool import KVPool
@@ -32,9 +37,21 @@ class EnginePool:
     num_blocks: int
     private: bool = False
     attached: bool = False
+    #: Scheduler of a job with worker processes: the BroadcastMapper its pages go through.
+    mapper: Any = None
+    #: Worker of such a job: stops serving this rank's tensors (before they are torn down).
+    stop_serving: Callable[[], None] | None = None
+    #: Scheduler of such a job: closes the coordinator and withdraws the job (after the pool).
+    detach: Callable[[], None] | None = None
 
     def close(self) -> None:
-        self.pool.close()
+        if self.stop_serving is not None:
+            self.stop_serving()
+        try:
+            self.pool.close()
+        finally:
+            if self.detach is not None:
+                self.detach()
 
 
 _lock = threading.Lock()

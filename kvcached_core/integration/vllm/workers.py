@@ -1,0 +1,397 @@
+"""vLLM workers in other processes: announce the job, serve each rank's tensors, attach to them.
+
+With the mp executor the scheduler (EngineCore) and the KV tensors live in different processes.
+The coordinator-worker protocol (`kvcached_core.ipc`) joins them:
+
+1. The scheduler announces the job (`announce_job`, from `kv_cache_budget`, before the workers
+   allocate KV): it creates the job's private socket root, `ipc.default_socket_root(<pool
+   name>)`, and writes `job.json` there (pool name, tensor and pipeline sizes, its own pid).
+2. A worker allocating its KV buffers finds the announcement of its engine (`find_job`), builds
+   its tensors with no ledger and no limit record of its own, and serves them on its rank's
+   socket (`served_pool`, an `ipc.WorkerListener`), next to a `w<rank>.json` that says how its
+   pages hold vLLM blocks. The listener is stopped, draining, when the worker exits.
+3. The scheduler's block pool gets a pool whose PageAllocator maps through
+   `ipc.BroadcastMapper` on every (stage, rank) (`scheduler_pool`); it keeps the limit record,
+   metrics, `kvctl limit` and release epochs of a local pool.
+4. On shutdown the scheduler closes its pool and the coordinator and withdraws the job
+   (`withdraw_job`): the announcement, sockets left by killed workers and the directories go.
+
+Which engine a worker belongs to: the job whose announcing process is an ancestor of the worker.
+vLLM's executor starts its workers from the EngineCore process (its parent; a forkserver puts
+one process in between), so a worker looks at its ancestors: the pool name is
+`KVCACHED_POOL_NAME` when set (engine and workers share the environment), else `vllm-<pid>` of
+the ancestor, exactly the name `config.pool_name()` gives in the EngineCore process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import multiprocessing.util
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcached_core.errors import KVCachedConfigError, KVCachedError
+from kvcached_core.integration.vllm import pools
+from kvcached_core.integration.vllm.config import (
+    POOL_NAME_ENV,
+    engine_settings,
+    vllm_zero_page_writable,
+)
+from kvcached_core.ipc import BroadcastMapper, WorkerListener, default_socket_root, worker_address
+from kvcached_core.ipc.paths import ensure_private_dir, job_addresses
+from kvcached_core.limits import pid_alive
+from kvcached_core.pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+JOB_FILE = "job.json"
+JOB_FORMAT = 1
+# How far up the process tree a worker looks for its engine (parent, forkserver, ...).
+MAX_ANCESTORS = 4
+# Seconds a worker waits, at exit, for a call in progress before leaving its socket behind.
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class JobDescription:
+    """What the scheduler announces: enough for a worker to find its rank's socket."""
+
+    pool: str
+    tp_size: int  # ranks per pipeline stage
+    pp_size: int
+    coordinator_pid: int
+    format: int = JOB_FORMAT
+
+    @property
+    def root(self) -> Path:
+        return job_root(self.pool)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> JobDescription:
+        try:
+            job = cls(str(data["pool"]), int(data["tp_size"]), int(data["pp_size"]),
+                      int(data["coordinator_pid"]), int(data["format"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVCachedConfigError(f"malformed job description: {exc}") from None
+        if job.format != JOB_FORMAT or job.tp_size < 1 or job.pp_size < 1:
+            raise KVCachedConfigError(f"unsupported job description {data!r}")
+        return job
+
+
+@dataclass(frozen=True)
+class RankGeometry:
+    """How one rank's pages hold vLLM blocks; every rank of a job must agree."""
+
+    page_bytes: int  # bytes of one page per layer and buffer (the ledger unit)
+    blocks_per_page: int
+    num_blocks: int
+
+
+def job_root(pool: str) -> Path:
+    return default_socket_root(pool)
+
+
+def read_job(root: Path) -> JobDescription | None:
+    """The job announced in `root`, or None when there is none."""
+    try:
+        data = json.loads((root / JOB_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise KVCachedConfigError(f"cannot read {root / JOB_FILE}: {exc}") from None
+    if not isinstance(data, dict):
+        raise KVCachedConfigError(f"{root / JOB_FILE} is not a job description")
+    return JobDescription.from_mapping(data)
+
+
+def _write_private_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write atomically, readable by this user only: a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        json.dump(data, out)
+    os.replace(partial, path)
+
+
+# ---------------------------------------------------------------------------- scheduler side
+
+
+def announce_job(pool: str, *, tp_size: int, pp_size: int) -> JobDescription:
+    """Announce this engine's job before its workers allocate KV (idempotent per process).
+
+    A root left by an engine that died is cleared; one whose engine still runs is refused.
+    """
+    job = JobDescription(pool, int(tp_size), int(pp_size), os.getpid())
+    if job.tp_size < 1 or job.pp_size < 1:
+        raise KVCachedConfigError(f"tp_size and pp_size must be >= 1, got {tp_size}, {pp_size}")
+    root = job.root
+    ensure_private_dir(root)
+    existing = read_job(root)
+    if existing is not None and existing.coordinator_pid != job.coordinator_pid:
+        if pid_alive(existing.coordinator_pid):
+            raise KVCachedConfigError(
+                f"kvcached pool name {pool!r} is in use by the engine in process "
+                f"{existing.coordinator_pid} ({root}); set KVCACHED_POOL_NAME to tell engines "
+                "apart"
+            )
+        _remove_job_files(existing)
+        ensure_private_dir(root)
+    _write_private_json(root / JOB_FILE, asdict(job))
+    atexit.register(withdraw_job, pool)
+    return job
+
+
+def withdraw_job(pool: str) -> None:
+    """Remove this process's announcement of `pool`, sockets nobody serves and the directories.
+
+    Live workers remove their own sockets when they exit; the last one out of a directory
+    removes it, so the order of engine and worker shutdown does not matter.
+    """
+    root = job_root(pool)
+    try:
+        job = read_job(root)
+    except KVCachedConfigError:
+        return
+    if job is None or job.coordinator_pid != os.getpid():
+        return
+    _remove_job_files(job)
+
+
+def _remove_job_files(job: JobDescription) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (job.root / JOB_FILE).unlink()
+    for address in job_addresses(job.root, job.tp_size, job.pp_size):
+        if not _served(address.path):
+            for path in (address.path, _geometry_path(address.path)):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+    for pp_rank in range(job.pp_size - 1, 0, -1):
+        with contextlib.suppress(OSError):
+            (job.root / f"pp{pp_rank}").rmdir()
+    with contextlib.suppress(OSError):  # not empty: a worker still serves; it removes it
+        job.root.rmdir()
+
+
+def _served(path: Path) -> bool:
+    """Whether a live listener accepts on `path` (a killed worker's socket refuses)."""
+    if not path.exists():
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def scheduler_pool(pool: str) -> pools.EnginePool | None:
+    """The pool a scheduler's block pool uses: the one registered in this process, else, for a
+    job this process announced, one that maps through every worker (registered here)."""
+    found = pools.lookup(pool)
+    if found is not None:
+        return found
+    job = read_job(job_root(pool))
+    if job is None or job.coordinator_pid != os.getpid():
+        return None
+    engine_pool = attach_job(job)
+    pools.register(engine_pool)
+    return engine_pool
+
+
+def attach_job(job: JobDescription) -> pools.EnginePool:
+    """A scheduler-side pool over the workers of `job` (they must be serving)."""
+    try:
+        mapper = BroadcastMapper.for_job(job.root, job.tp_size, job.pp_size)
+    except (KVCachedError, OSError) as exc:
+        raise KVCachedConfigError(
+            f"kvcached cannot reach the {job.tp_size * job.pp_size} worker(s) of pool "
+            f"{job.pool!r} in {job.root}: {exc}"
+        ) from exc
+    try:
+        geometry = _agreed_geometry(job)
+        settings = engine_settings()
+        pool = KVPool.over_mapper(
+            job.pool,
+            mapper,
+            page_bytes=geometry.page_bytes,
+            min_reserved=settings.min_reserved_pages,
+            max_reserved=settings.max_reserved_pages,
+            prealloc=settings.prealloc,
+            physical_limit_bytes=settings.physical_limit_bytes,
+            defer_physical_release=True,
+        )
+    except BaseException:
+        mapper.close()
+        raise
+    if int(pool.num_blocks) * geometry.blocks_per_page < geometry.num_blocks:
+        pool.close()
+        mapper.close()
+        raise KVCachedConfigError(
+            f"the workers of pool {job.pool!r} map {pool.num_blocks} pages, too few for "
+            f"{geometry.num_blocks} blocks"
+        )
+
+    def detach() -> None:
+        mapper.close()
+        withdraw_job(job.pool)
+
+    return pools.EnginePool(job.pool, pool, geometry.blocks_per_page, geometry.num_blocks,
+                            mapper=mapper, detach=detach)
+
+
+def _agreed_geometry(job: JobDescription) -> RankGeometry:
+    seen: dict[RankGeometry, str] = {}
+    for address in job_addresses(job.root, job.tp_size, job.pp_size):
+        path = _geometry_path(address.path)
+        try:
+            geometry = RankGeometry(**json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError) as exc:
+            raise KVCachedConfigError(f"{address.label}: cannot read {path}: {exc}") from None
+        seen.setdefault(geometry, address.label)
+    if len(seen) != 1:
+        detail = "; ".join(f"{label}: {g}" for g, label in seen.items())
+        raise KVCachedConfigError(f"the workers disagree on how pages hold blocks ({detail})")
+    return next(iter(seen))
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def _parent_pid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    # The command name (field 2) may hold spaces and parentheses; fields resume after ')'.
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """The parent, grandparent, ... of `pid` (this process), at most MAX_ANCESTORS of them."""
+    found: list[int] = []
+    current = os.getpid() if pid is None else pid
+    while len(found) < MAX_ANCESTORS:
+        current = os.getppid() if current == os.getpid() else _parent_pid(current)
+        if current <= 1:
+            break
+        found.append(current)
+    return found
+
+
+def find_job(environ: Mapping[str, str] | None = None) -> JobDescription | None:
+    """The job announced by an ancestor of this process (the engine that started it), if any."""
+    env = os.environ if environ is None else environ
+    fixed_name = env.get(POOL_NAME_ENV, "").strip()
+    for pid in ancestors():
+        job = read_job(job_root(fixed_name or f"vllm-{pid}"))
+        if job is not None and job.coordinator_pid == pid:
+            return job
+    return None
+
+
+def distributed_ranks(job: JobDescription) -> tuple[int, int]:
+    """(rank within its pipeline stage, pipeline stage) of this worker.
+
+    vLLM numbers the ranks of one engine with the tensor (and context) parallel ranks
+    innermost, then the pipeline stages (then data parallel replicas, each its own engine):
+    torch.distributed's rank gives both.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise KVCachedConfigError(
+            f"a worker of pool {job.pool!r} has no torch.distributed group to tell its rank"
+        )
+    rank = int(dist.get_rank())
+    return rank % job.tp_size, (rank // job.tp_size) % job.pp_size
+
+
+def _geometry_path(socket_path: Path) -> Path:
+    return socket_path.with_suffix(".json")
+
+
+def served_pool(
+    name: str,
+    *,
+    backend: str,
+    device: int,
+    num_tensors: int,
+    regions: int,
+    region_bytes: int,
+    ledger_unit: int,
+    unit_bytes: int,
+    job: JobDescription | None = None,
+    ranks: tuple[int, int] | None = None,
+    contiguous: bool = False,
+) -> pools.EnginePool | None:
+    """For a worker of an announced job: its KV tensors, served on its rank's socket.
+
+    Returns None when this process belongs to no announced job (the scheduler is in this
+    process: the caller builds the local pool). `job` and `ranks` default to `find_job()` and
+    `distributed_ranks(job)`.
+    """
+    job = find_job() if job is None else job
+    if job is None:
+        return None
+    rank, pp_rank = distributed_ranks(job) if ranks is None else ranks
+    if not (0 <= rank < job.tp_size and 0 <= pp_rank < job.pp_size):
+        raise KVCachedConfigError(
+            f"worker rank {rank} (pp {pp_rank}) is outside pool {job.pool!r}'s "
+            f"{job.tp_size} x {job.pp_size} ranks"
+        )
+    settings = engine_settings()
+    # Tensors only: the scheduler's pool decides which pages are mapped, through the listener.
+    pool = KVPool.create(
+        name,
+        backend=backend,  # type: ignore[arg-type]
+        device=device,
+        num_layers=num_tensors,
+        num_kv_buffers=regions,
+        block_bytes=ledger_unit,
+        virtual_bytes_per_layer=regions * region_bytes,
+        page_size=settings.page_size,
+        contiguous=contiguous,
+        min_reserved=0,
+        max_reserved=0,
+        prealloc=False,
+        reserve_null_block=False,
+        share_limits=False,
+        export_metrics=False,
+        budget=settings.budget,  # the physical pages are created here, so they are charged here
+        zero_page_writable=vllm_zero_page_writable(settings),
+    )
+    address = worker_address(job.root, rank, pp_rank)
+    resident = pool.backend.committed_bytes if backend == "host" else None
+    listener = WorkerListener(pool.ftensor_allocator, address, resident_bytes=resident)
+    geometry = RankGeometry(ledger_unit, ledger_unit // unit_bytes, region_bytes // unit_bytes)
+    try:
+        listener.start()
+        _write_private_json(_geometry_path(address.path), asdict(geometry))
+    except BaseException:
+        listener.stop()
+        pool.close()
+        raise
+
+    def stop_serving() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            _geometry_path(address.path).unlink()
+        if not listener.stop(STOP_TIMEOUT_S):
+            logger.warning("kvcached: %s still answers a call; its socket stays", address.label)
+
+    engine_pool = pools.EnginePool(name, pool, geometry.blocks_per_page, geometry.num_blocks,
+                                   stop_serving=stop_serving)
+    pools.register(engine_pool)
+    # vLLM ends a worker through multiprocessing, which runs its finalizers but (for a forked
+    # worker) not atexit; pools.close_all covers the atexit path. close() is idempotent.
+    multiprocessing.util.Finalize(None, pools.close, args=(name,), exitpriority=10)
+    return engine_pool

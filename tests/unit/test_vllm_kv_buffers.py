@@ -1,0 +1,360 @@
+"""The vLLM 0.24 - 0.28 KV buffer adapter on the host backend: stock bytes, page-wise backing.
+
+A buffer the adapter returns is viewed exactly as vLLM views a stock `torch.zeros` buffer; the
+tests check that block `b` lands on the same bytes in both, and that mapping one kvcached page
+backs exactly the blocks of that page in every layer (and every K/V plane).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.integration.vllm import kv_tensor_buffer, pools
+from kvcached_core.integration.vllm.kv_buffers import planes_outside_blocks
+
+PAGE = 32 << 10            # KVCACHED_PAGE_SIZE in these tests
+BLOCK_TOKENS, HEADS, HEAD_SIZE = 16, 2, 64
+DTYPE = torch.bfloat16
+BLOCK_BYTES = 2 * BLOCK_TOKENS * HEADS * HEAD_SIZE * 2   # K and V: 8 KiB per layer
+BLOCKS_PER_PAGE = PAGE // BLOCK_BYTES                     # 4
+NUM_BLOCKS = 16
+NUM_LAYERS = 3
+
+
+def blocks_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    """FlashAttention / FlashInfer in vLLM 0.23 - 0.25."""
+    return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def kv_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    """K and V planes outermost (FlashAttention <= 0.22, ROCm attention)."""
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def cpu_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+              head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    """CPU attention in vLLM 0.23 - 0.28."""
+    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
+def nhd() -> tuple[int, ...]:
+    return (0, 1, 2, 3, 4)
+
+
+def hnd() -> tuple[int, ...]:
+    return (0, 1, 3, 2, 4)
+
+
+def no_stride_order() -> tuple[int, ...]:
+    raise NotImplementedError
+
+
+@dataclass
+class Spec:
+    block_size: int = BLOCK_TOKENS
+    num_kv_heads: int = HEADS
+    head_size: int = HEAD_SIZE
+    page_size_bytes: int = BLOCK_BYTES
+
+
+@dataclass
+class Group:
+    kv_cache_spec: Spec
+    layer_names: list[str]
+
+
+@dataclass
+class Tensor:
+    size: int
+    shared_by: list[str]
+    offset: int = 0
+    block_stride: int = 0
+
+
+@dataclass
+class Config:
+    kv_cache_tensors: list[Tensor]
+    kv_cache_groups: list[Group] = field(default_factory=list)
+
+
+def layer_names(count: int = NUM_LAYERS) -> list[str]:
+    return [f"model.layers.{i}.attn" for i in range(count)]
+
+
+def per_layer_config(num_blocks: int = NUM_BLOCKS) -> Config:
+    names = layer_names()
+    return Config([Tensor(BLOCK_BYTES * num_blocks, [n]) for n in names], [Group(Spec(), names)])
+
+
+def packed_config(num_layers: int = 2) -> Config:
+    """Every layer of block b in one range of `block_stride` bytes (16 KiB: 2 blocks a page)."""
+    names = layer_names(num_layers)
+    stride = BLOCK_BYTES * num_layers
+    return Config([Tensor(stride * NUM_BLOCKS, [n], offset=i * BLOCK_BYTES, block_stride=stride)
+                   for i, n in enumerate(names)], [Group(Spec(), names)])
+
+
+@pytest.fixture
+def elastic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    name = f"kvbuf-test-{os.getpid()}"
+    for key in [k for k in os.environ if k.startswith("KVCACHED_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_PREALLOC", "0")
+    monkeypatch.setenv("KVCACHED_POOL_NAME", name)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(tmp_path))
+    yield name
+    pools.close(name)
+
+
+def allocate(config: Config, layouts: Sequence[tuple[Sequence[str], object, object]]
+             ) -> list[torch.Tensor]:
+    """What the rewritten `_allocate_kv_cache(_tensors)` does: packed backing allocated once."""
+    buffers: list[torch.Tensor] = []
+    backing: torch.Tensor | None = None
+    for tensor in config.kv_cache_tensors:
+        if tensor.block_stride > 0:
+            if backing is None:
+                backing = kv_tensor_buffer(
+                    torch.zeros, tensor.size, dtype=torch.int8, device=torch.device("cpu"),
+                    kv_cache_config=config, kv_cache_tensor=tensor,
+                    block_stride=tensor.block_stride, kv_layouts=layouts)
+            buffers.append(backing)
+        else:
+            buffers.append(kv_tensor_buffer(
+                torch.zeros, tensor.size, dtype=torch.int8, device=torch.device("cpu"),
+                kv_cache_config=config, kv_cache_tensor=tensor,
+                block_stride=tensor.block_stride, kv_layouts=layouts))
+    return buffers
+
+
+def view(raw: torch.Tensor, shape_of: object, order_of: object, tensor: Tensor) -> torch.Tensor:
+    """vLLM 0.25.1's `_reshape_attention_kv_cache`, for these shapes."""
+    shape = shape_of(NUM_BLOCKS, BLOCK_TOKENS, HEADS, HEAD_SIZE)  # type: ignore[operator]
+    try:
+        order = tuple(order_of())  # type: ignore[operator]
+    except NotImplementedError:
+        order = tuple(range(len(shape)))
+    inverse = [order.index(i) for i in range(len(order))]
+    if tensor.block_stride:
+        page = BLOCK_BYTES
+        return (raw.view(-1, tensor.block_stride)[:, tensor.offset:tensor.offset + page]
+                .view(DTYPE).view(shape))
+    return raw.view(DTYPE).view(tuple(shape[i] for i in order)).permute(*inverse)
+
+
+def block_of(kv: torch.Tensor, shape_of: object, block: int) -> torch.Tensor:
+    dim = list(shape_of(NUM_BLOCKS, BLOCK_TOKENS, HEADS, HEAD_SIZE)).index(NUM_BLOCKS)  # type: ignore[operator]
+    return kv.select(dim, block)
+
+
+def byte_ranges(raw: torch.Tensor, kv: torch.Tensor, shape_of: object, block: int) -> list[int]:
+    """Byte offsets (from the buffer start) that block `block` of one layer covers."""
+    element = block_of(kv, shape_of, block)
+    start = element.data_ptr() - raw.data_ptr()
+    offsets = torch.as_strided(torch.arange(raw.numel() // 2, dtype=torch.int64),
+                               element.shape, element.stride(),
+                               (start // 2)).flatten() * 2
+    return sorted(offsets.tolist())
+
+
+LAYOUTS = [
+    pytest.param(blocks_first_shape, nhd, 1, id="flash-attn-0.25-NHD"),
+    pytest.param(blocks_first_shape, hnd, 1, id="flash-attn-0.25-HND"),
+    pytest.param(cpu_shape, no_stride_order, 1, id="cpu-attn"),
+    pytest.param(kv_first_shape, nhd, 2, id="kv-planes-first"),
+]
+
+
+@pytest.mark.parametrize(("shape_of", "order_of", "planes"), LAYOUTS)
+def test_planes_outside_the_block_dimension(shape_of: object, order_of: object,
+                                            planes: int) -> None:
+    assert planes_outside_blocks(shape_of, order_of, block_size=BLOCK_TOKENS,  # type: ignore[arg-type]
+                                 num_kv_heads=HEADS, head_size=HEAD_SIZE) == planes
+
+
+def test_a_stride_order_that_puts_blocks_outermost_makes_one_region() -> None:
+    def blocks_outermost() -> tuple[int, ...]:
+        return (1, 0, 2, 3, 4)
+
+    assert planes_outside_blocks(kv_first_shape, blocks_outermost, block_size=BLOCK_TOKENS,
+                                 num_kv_heads=HEADS, head_size=HEAD_SIZE) == 1
+
+
+@pytest.mark.parametrize(("shape_of", "order_of", "planes"), LAYOUTS)
+def test_block_bytes_match_a_stock_buffer_and_a_page_backs_its_blocks_in_every_layer(
+        elastic: str, shape_of: object, order_of: object, planes: int) -> None:
+    config = per_layer_config()
+    ours = allocate(config, [(layer_names(), shape_of, order_of)])
+    stock = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
+    engine_pool = pools.lookup(elastic)
+    # A page holds a page's worth of each plane: twice the blocks when K and V are planes.
+    k = BLOCKS_PER_PAGE * planes
+    assert engine_pool is not None and engine_pool.blocks_per_page == k
+    assert [b.numel() for b in ours] == [t.size for t in config.kv_cache_tensors]
+    region = config.kv_cache_tensors[0].size // planes
+    tensors = engine_pool.pool.tensors
+    # Only the null block's page (page 0) is backed, in every layer and plane.
+    for ftensor in tensors:
+        assert sorted(ftensor.mapped_offsets()) == [r * region for r in range(planes)]
+
+    [page] = engine_pool.pool.alloc(1)
+    assert page != 0
+    for ftensor in tensors:
+        assert sorted(ftensor.mapped_offsets()) == sorted(
+            r * region + p * PAGE for r in range(planes) for p in (0, page))
+
+    blocks = range(page * k, (page + 1) * k)
+    for layer, (raw, reference, tensor) in enumerate(
+            zip(ours, stock, config.kv_cache_tensors, strict=True)):
+        kv, stock_kv = (view(raw, shape_of, order_of, tensor),
+                        view(reference, shape_of, order_of, tensor))
+        assert kv.shape == stock_kv.shape and kv.stride() == stock_kv.stride()
+        for block in range(NUM_BLOCKS):
+            covered = byte_ranges(raw, kv, shape_of, block)
+            assert covered == byte_ranges(reference, stock_kv, shape_of, block)
+            # Block b of this layer lies in the pages that back b, in each plane.
+            backed = {offset // PAGE for offset in covered}
+            assert backed == {(r * region) // PAGE + block // k for r in range(planes)}
+        for block in blocks:
+            data = torch.full(block_of(kv, shape_of, block).shape, float(layer * 100 + block),
+                              dtype=DTYPE)
+            block_of(kv, shape_of, block).copy_(data)
+            block_of(stock_kv, shape_of, block).copy_(data)
+        assert torch.equal(raw, reference)  # the same bytes, and every other block reads zero
+
+
+def test_packed_backing_is_one_buffer_whose_pages_hold_every_layer_of_a_block(
+        elastic: str) -> None:
+    config = packed_config()
+    layouts = [(layer_names(2), blocks_first_shape, nhd)]
+    ours = allocate(config, layouts)
+    assert all(b is ours[0] for b in ours)
+    stock = torch.zeros(config.kv_cache_tensors[0].size, dtype=torch.int8)
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None
+    stride = config.kv_cache_tensors[0].block_stride
+    assert engine_pool.blocks_per_page == PAGE // stride == 2
+    [ftensor] = engine_pool.pool.tensors
+    [page] = engine_pool.pool.alloc(1)
+    assert sorted(ftensor.mapped_offsets()) == sorted({0, page * PAGE})
+    k = engine_pool.blocks_per_page
+    for tensor in config.kv_cache_tensors:
+        kv = view(ours[0], blocks_first_shape, nhd, tensor)
+        stock_kv = view(stock, blocks_first_shape, nhd, tensor)
+        assert kv.stride() == stock_kv.stride()
+        for block in range(page * k, (page + 1) * k):
+            data = torch.full(kv[block].shape, float(block + tensor.offset), dtype=DTYPE)
+            kv[block].copy_(data)
+            stock_kv[block].copy_(data)
+            start = kv[block].data_ptr() - ours[0].data_ptr()
+            assert start == block * stride + tensor.offset
+            assert start // PAGE == page
+    assert torch.equal(ours[0], stock)
+
+
+def test_a_profiling_sized_cache_that_is_not_whole_pages_still_gets_a_buffer(
+        elastic: str) -> None:
+    config = per_layer_config(num_blocks=NUM_BLOCKS + 1)
+    ours = allocate(config, [(layer_names(), blocks_first_shape, nhd)])
+    assert [b.numel() for b in ours] == [t.size for t in config.kv_cache_tensors]
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and not engine_pool.attached
+    assert engine_pool.num_blocks >= NUM_BLOCKS + 1
+    # The real allocation replaces the profiling pool, which nothing attached to.
+    allocate(per_layer_config(), [(layer_names(), blocks_first_shape, nhd)])
+    replaced = pools.lookup(elastic)
+    assert replaced is not None and replaced is not engine_pool
+    assert replaced.num_blocks == NUM_BLOCKS
+
+
+def test_switched_off_it_is_exactly_the_stock_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    monkeypatch.setenv("KVCACHED_POOL_NAME", "kvbuf-test-off")
+    calls: list[tuple[object, ...]] = []
+
+    def zeros(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append((*args, *sorted(kwargs.items())))
+        return torch.zeros(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    config = packed_config()
+    buffer = kv_tensor_buffer(zeros, 4096, dtype=torch.int8, device=torch.device("cpu"),
+                              kv_cache_config=config, kv_cache_tensor=config.kv_cache_tensors[0],
+                              block_stride=0, kv_layouts=[])
+    assert calls == [(4096, ("device", torch.device("cpu")), ("dtype", torch.int8))]
+    assert buffer.dtype == torch.int8 and buffer.numel() == 4096 and not buffer.any()
+    assert pools.lookup("kvbuf-test-off") is None
+
+
+def test_a_layer_with_no_known_layout_is_refused(elastic: str) -> None:
+    with pytest.raises(KVCachedConfigError, match="no known attention layout"):
+        allocate(per_layer_config(), [(["another.layer"], blocks_first_shape, nhd)])
+
+
+def test_several_kv_cache_groups_without_packing_are_refused(elastic: str) -> None:
+    config = per_layer_config()
+    config.kv_cache_groups.append(Group(Spec(), ["other"]))
+    with pytest.raises(KVCachedConfigError, match="one KV cache group"):
+        allocate(config, [(layer_names(), blocks_first_shape, nhd)])
+
+
+@pytest.mark.parametrize(("shape_of", "order_of"), [
+    pytest.param(blocks_first_shape, nhd, id="flash-attn-0.25-NHD"),
+    pytest.param(blocks_first_shape, hnd, id="flash-attn-0.25-HND"),
+    pytest.param(cpu_shape, no_stride_order, id="cpu-attn"),
+])
+def test_contiguous_layout_keeps_stock_block_bytes_and_maps_one_compound_page(
+        elastic: str, monkeypatch: pytest.MonkeyPatch, shape_of: object,
+        order_of: object) -> None:
+    monkeypatch.setenv("KVCACHED_LAYOUT", "contiguous")
+    config = per_layer_config()
+    ours = allocate(config, [(layer_names(), shape_of, order_of)])
+    stock = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and engine_pool.pool.geometry.contiguous
+    [ftensor] = engine_pool.pool.tensors
+    compound = PAGE * NUM_LAYERS
+    assert sorted(ftensor.mapped_offsets()) == [0]  # the null block's page, every layer
+    [page] = engine_pool.pool.alloc(1)
+    assert sorted(ftensor.mapped_offsets()) == [0, page * compound]  # one mapping per page
+    k = engine_pool.blocks_per_page
+    base = ours[0].data_ptr()  # layer 0 starts the compound tensor
+    for layer, (raw, reference, tensor) in enumerate(
+            zip(ours, stock, config.kv_cache_tensors, strict=True)):
+        assert raw.numel() == tensor.size
+        kv = view(raw, shape_of, order_of, tensor)
+        stock_kv = view(reference, shape_of, order_of, tensor)
+        assert kv.shape == stock_kv.shape
+        for block in range(NUM_BLOCKS):
+            element = block_of(kv, shape_of, block)
+            start = element.data_ptr() - base
+            # All layers of block b sit together, inside the compound page of b's ledger page.
+            assert start == (block * NUM_LAYERS + layer) * BLOCK_BYTES
+            assert start // compound == block // k
+        for block in range(page * k, (page + 1) * k):
+            data = torch.full(block_of(kv, shape_of, block).shape,
+                              float(layer * 100 + block), dtype=DTYPE)
+            block_of(kv, shape_of, block).copy_(data)
+            block_of(stock_kv, shape_of, block).copy_(data)
+        for block in range(NUM_BLOCKS):
+            assert torch.equal(block_of(kv, shape_of, block),
+                               block_of(stock_kv, shape_of, block))
+
+
+def test_contiguous_layout_needs_blocks_first(elastic: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_LAYOUT", "contiguous")
+    with pytest.raises(KVCachedConfigError, match="blocks-first"):
+        allocate(per_layer_config(), [(layer_names(), kv_first_shape, nhd)])
