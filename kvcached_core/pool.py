@@ -261,6 +261,8 @@ class KVPool:
             prealloc=settings.prealloc,
             physical_limit_bytes=settings.physical_limit_bytes,
             defer_physical_release=settings.defer_physical_release,
+            budget=settings.budget,
+            zero_page_writable=bool(settings.zero_page_writable),
             **options,
         )
 

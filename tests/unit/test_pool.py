@@ -318,6 +318,26 @@ def test_pool_from_settings(shm: Path) -> None:
         assert kv.available_size() == 15
 
 
+def test_pool_from_settings_joins_the_budget_named_in_the_settings(shm: Path) -> None:
+    from kvcached_core.budget import read_budget, set_budget
+
+    set_budget("fs-budget", 2 * 2 * PAGE)  # two logical pages of one layer, two buffers
+    settings = KVCachedSettings(page_size=PAGE, min_reserved_pages=0, max_reserved_pages=0,
+                                prealloc=False, budget="fs-budget")
+    with KVPool.from_settings("fs-b", settings, num_layers=1, num_kv_buffers=2,
+                              block_bytes=16 * KIB, virtual_bytes_per_layer=2 * 4 * PAGE,
+                              metrics_registry=CollectorRegistry()) as kv:
+        # The null block's page is charged; one more page fits, the third is refused.
+        assert read_budget("fs-budget").charged_bytes == 2 * PAGE
+        taken: list[int] = []
+        with pytest.raises(PoolExhausted):
+            while True:
+                taken += kv.alloc(1)
+        assert taken
+        assert read_budget("fs-budget").charged_bytes == 2 * 2 * PAGE
+        kv.free(taken)
+
+
 def test_a_pool_no_larger_than_its_reserve_starts_while_the_refill_runs(shm: Path) -> None:
     """The refill thread may hold every page at start; the null block must wait for it."""
     for attempt in range(40):
