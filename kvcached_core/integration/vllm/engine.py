@@ -164,14 +164,17 @@ def on_step_end(core: Any, block_pool: ElasticBlockPoolMixin, lag: int) -> None:
 def _request_keyed_dicts(manager: Any) -> tuple[str, ...]:
     """Names of the dict attributes of a single-type manager (besides `req_to_blocks`): the
     per-request bookkeeping `allocate_slots` may touch (`num_cached_block`, partial-hit
-    records, ...). Found once per manager class, so no version knows their names."""
-    cls = type(manager)
-    names: tuple[str, ...] | None = cls.__dict__.get("_kvcached_request_dicts")
-    if names is None:
-        names = tuple(sorted(name for name, value in vars(manager).items()
+    records, ...), so no version needs to know their names. Found per manager and found again
+    when the manager gained attributes (some are created lazily)."""
+    attributes = manager.__dict__
+    cached: tuple[int, tuple[str, ...]] | None = attributes.get("_kvcached_request_dicts")
+    if cached is None or cached[0] != len(attributes):
+        names = tuple(sorted(name for name, value in attributes.items()
                              if isinstance(value, dict) and name != "req_to_blocks"))
-        cls._kvcached_request_dicts = names
-    return names
+        # The count includes the cache entry itself once it is stored.
+        cached = (len(attributes) + (0 if "_kvcached_request_dicts" in attributes else 1), names)
+        attributes["_kvcached_request_dicts"] = cached
+    return cached[1]
 
 
 _ABSENT = object()
@@ -193,7 +196,7 @@ def none_on_pool_exhausted(allocate_slots: F) -> F:
         request_id = request.request_id
         before = [len(m.req_to_blocks[request_id]) if request_id in m.req_to_blocks else None
                   for m in managers]
-        saved = [{name: getattr(m, name).get(request_id, _ABSENT)
+        saved = [{name: m.__dict__[name].get(request_id, _ABSENT)
                   for name in _request_keyed_dicts(m)} for m in managers]
         try:
             return allocate_slots(self, request, *args, **kwargs)
@@ -207,7 +210,9 @@ def none_on_pool_exhausted(allocate_slots: F) -> F:
                 if count is None:
                     manager.req_to_blocks.pop(request_id, None)
                 for name, value in state.items():
-                    table = getattr(manager, name)
+                    table = manager.__dict__.get(name)
+                    if not isinstance(table, dict):
+                        continue
                     if value is _ABSENT:
                         table.pop(request_id, None)
                     else:
