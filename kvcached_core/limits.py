@@ -321,7 +321,8 @@ class LimitWatcher:
     """Polls a record and calls `on_limit(limit_bytes)` when its revision changes.
 
     The callback runs on the watcher thread; it should only publish a target (the manager
-    applies it on its own thread).
+    applies it on its own thread). `on_tick`, if given, runs after every poll (the pool uses it
+    to publish what its background refill mapped, which no allocation reports).
     """
 
     def __init__(
@@ -330,9 +331,11 @@ class LimitWatcher:
         on_limit: Callable[[int], None],
         *,
         interval_s: float = 0.1,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self._segment = segment
         self._on_limit = on_limit
+        self._on_tick = on_tick
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._revision = segment.read().revision
@@ -358,6 +361,8 @@ class LimitWatcher:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             self.poll_once()
+            if self._on_tick is not None:
+                self._on_tick()
 
     def stop(self) -> None:
         self._stop.set()

@@ -103,6 +103,7 @@ class KVPool:
         self._watcher: LimitWatcher | None = None
         self._close_lock = threading.Lock()
         self._closed = False
+        self._published_pages: tuple[int, int] | None = None
 
     @classmethod
     def create(
@@ -225,7 +226,8 @@ class KVPool:
                 pool._metrics = register_pool(name, manager.snapshot, metrics_registry)
             if segment is not None:
                 pool._publish_usage()
-                pool._watcher = LimitWatcher(segment, pool._on_shared_limit)
+                pool._watcher = LimitWatcher(segment, pool._on_shared_limit,
+                                             on_tick=pool._publish_usage_if_changed)
             return pool
         except BaseException:
             if pool is not None:
@@ -411,9 +413,15 @@ class KVPool:
     def _publish_usage(self) -> None:
         if self._segment is None:
             return
-        page_bytes = self.geometry.page_bytes_all_layers
         allocator = self.page_allocator
+        pages = (int(allocator.num_in_use), int(allocator.num_reserved))
+        self._published_pages = pages
+        page_bytes = self.geometry.page_bytes_all_layers
         with contextlib.suppress(OSError):
-            self._segment.update_usage(
-                int(allocator.num_in_use) * page_bytes, int(allocator.num_reserved) * page_bytes
-            )
+            self._segment.update_usage(pages[0] * page_bytes, pages[1] * page_bytes)
+
+    def _publish_usage_if_changed(self) -> None:
+        """From the limit watcher: the reserve refill maps pages no allocation reports."""
+        allocator = self.page_allocator
+        if (int(allocator.num_in_use), int(allocator.num_reserved)) != self._published_pages:
+            self._publish_usage()

@@ -191,6 +191,17 @@ def test_limit_record_tracks_usage_and_is_removed_on_close(shm: Path) -> None:
     kv.close()  # idempotent
 
 
+def test_the_record_shows_the_reserve_the_refill_thread_maps_on_its_own(shm: Path) -> None:
+    # No allocation reports these pages: the limit watcher publishes them within a poll.
+    with make_pool("refill", min_reserved=3, max_reserved=3, prealloc=True) as kv:
+        page_all = kv.geometry.page_bytes_all_layers
+        deadline = time.monotonic() + 5
+        while read_record("refill", shm).reserved_bytes != 3 * page_all:
+            assert time.monotonic() < deadline, read_record("refill", shm)
+            time.sleep(0.02)
+        assert kv.page_allocator.num_reserved == 3
+
+
 def test_kvctl_limit_reaches_the_pool_through_the_watcher(shm: Path) -> None:
     with make_pool("shared") as kv:
         page_all = kv.geometry.page_bytes_all_layers
