@@ -7,7 +7,9 @@ space, in each KV layout. The workload has shared prefixes and more concurrent d
 tight limit holds, so both engines preempt.
 
 Checks (exit status 1 if any fails):
-- greedy outputs of every patched configuration are token-identical to stock;
+- greedy outputs of every patched configuration are token-identical to stock in the first
+  (cold-cache) burst; later bursts hit the prefix cache, whose batch shapes change bf16
+  rounding even for stock, so they are reported, not judged;
 - the patched engine's device memory (driver free-memory figure and kvcached's mapped bytes)
   grows during each burst and returns after it, while stock holds its whole reservation;
 - every request completes at full length.

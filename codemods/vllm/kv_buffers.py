@@ -20,6 +20,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
+from codemods.base import HitCountingCodemod
 from codemods.vllm._common import (
     ADAPTER_ALIAS,
     FunctionCodemod,
@@ -53,6 +54,19 @@ def _rewrite(call: cst.Call, adapter_function: str, extra_kwargs: str) -> cst.Ca
     )
 
 
+def _rewrite_zeros_site(codemod: HitCountingCodemod, call: cst.Call, adapter_function: str,
+                        extra_kwargs: str) -> cst.Call:
+    """A call inside a target function: an int8 `torch.zeros` becomes the adapter call (a hit),
+    an adapter call already there counts as applied, anything else stays."""
+    if is_adapter_call(call, adapter_function):
+        codemod.record_already_applied()
+        return call
+    if not m.matches(call, _INT8_ZEROS):
+        return call
+    codemod.record_hit()
+    return _rewrite(call, adapter_function, extra_kwargs)
+
+
 class PerLayerKVBuffers(MethodCodemod):
     """Back each layer's KV buffer with kvcached (vLLM <= 0.11)."""
 
@@ -75,13 +89,7 @@ class PerLayerKVBuffers(MethodCodemod):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if self._method is None:
             return updated_node
-        if is_adapter_call(updated_node, self.ADAPTER):
-            self.record_already_applied()
-            return updated_node
-        if not m.matches(updated_node, _INT8_ZEROS):
-            return updated_node
-        self.record_hit()
-        return _rewrite(updated_node, self.ADAPTER, self.EXTRA)
+        return _rewrite_zeros_site(self, updated_node, self.ADAPTER, self.EXTRA)
 
 
 def _tensor_extra(attn_groups: str) -> str:
@@ -174,13 +182,7 @@ class ModelRunnerV2KVBuffers(FunctionCodemod):
             return updated_node.with_changes(args=[*args, passed])
         if not self._inside:
             return updated_node
-        if is_adapter_call(updated_node, self.ADAPTER):
-            self.record_already_applied()
-            return updated_node
-        if not m.matches(updated_node, _INT8_ZEROS):
-            return updated_node
-        self.record_hit()
-        return _rewrite(updated_node, self.ADAPTER, self.EXTRA)
+        return _rewrite_zeros_site(self, updated_node, self.ADAPTER, self.EXTRA)
 
 
 class SharedKVBuffer(FunctionCodemod):
@@ -194,10 +196,4 @@ class SharedKVBuffer(FunctionCodemod):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if not self._inside:
             return updated_node
-        if is_adapter_call(updated_node, "shared_kv_buffer"):
-            self.record_already_applied()
-            return updated_node
-        if not m.matches(updated_node, _INT8_ZEROS):
-            return updated_node
-        self.record_hit()
-        return _rewrite(updated_node, "shared_kv_buffer", self.EXTRA)
+        return _rewrite_zeros_site(self, updated_node, "shared_kv_buffer", self.EXTRA)

@@ -96,7 +96,7 @@ for _ in range(40):
     # Grow by a page, give the page back, again: the allocator hands out pages in its own
     # order, so the blocks it backs may lie anywhere in vLLM's free queue.
     blocks = bp.get_new_blocks(4)
-    assert all(bp._kv_held[b.block_id // 4] for b in blocks)
+    assert all(b.block_id // 4 in bp._kv_held for b in blocks)
     held.append(blocks[0])
     bp.free_blocks(blocks[1:])
     bp.release_idle_pages(16)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.integration.vllm import kv_tensor_buffer, pools
+from kvcached_core.integration.vllm import kv_tensor_buffer, per_layer_kv_buffer, pools
 from kvcached_core.integration.vllm.kv_buffers import planes_outside_blocks
 
 PAGE = 32 << 10            # KVCACHED_PAGE_SIZE in these tests
@@ -193,11 +193,23 @@ def test_a_stride_order_that_puts_blocks_outermost_makes_one_region() -> None:
                                  num_kv_heads=HEADS, head_size=HEAD_SIZE) == 1
 
 
+def allocate_per_layer(config: Config, shape_of: object) -> list[torch.Tensor]:
+    """What vLLM 0.9 - 0.11's rewritten `_allocate_kv_cache_tensors` does: the shape only."""
+    return [per_layer_kv_buffer(torch.zeros, tensor.size, dtype=torch.int8,
+                                device=torch.device("cpu"), kv_cache_config=config,
+                                kv_cache_tensor=tensor, kv_cache_shape=shape_of)  # type: ignore[arg-type]
+            for tensor in config.kv_cache_tensors]
+
+
+@pytest.mark.parametrize("adapter", ["tensor", "per-layer"])
 @pytest.mark.parametrize(("shape_of", "order_of", "planes"), LAYOUTS)
 def test_block_bytes_match_a_stock_buffer_and_a_page_backs_its_blocks_in_every_layer(
-        elastic: str, shape_of: object, order_of: object, planes: int) -> None:
+        elastic: str, shape_of: object, order_of: object, planes: int, adapter: str) -> None:
     config = per_layer_config()
-    ours = allocate(config, [(layer_names(), shape_of, order_of)])
+    if adapter == "tensor":
+        ours = allocate(config, [(layer_names(), shape_of, order_of)])
+    else:  # vLLM 0.9 - 0.11 tell planes apart by the shape alone
+        ours = allocate_per_layer(config, shape_of)
     stock = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
     engine_pool = pools.lookup(elastic)
     # A page holds a page's worth of each plane: twice the blocks when K and V are planes.
@@ -358,3 +370,5 @@ def test_contiguous_layout_needs_blocks_first(elastic: str,
     monkeypatch.setenv("KVCACHED_LAYOUT", "contiguous")
     with pytest.raises(KVCachedConfigError, match="blocks-first"):
         allocate(per_layer_config(), [(layer_names(), kv_first_shape, nhd)])
+    with pytest.raises(KVCachedConfigError, match="blocks-first"):
+        allocate_per_layer(per_layer_config(), kv_first_shape)

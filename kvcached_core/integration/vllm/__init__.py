@@ -12,7 +12,6 @@ from kvcached_core.integration.vllm.block_pool import (
 )
 from kvcached_core.integration.vllm.config import elastic_enabled, engine_settings
 from kvcached_core.integration.vllm.engine import (
-    check_single_process,
     close_on_shutdown,
     kv_cache_budget,
     none_on_pool_exhausted,
@@ -28,7 +27,6 @@ from kvcached_core.integration.vllm.pools import EnginePool, engine_pools
 __all__ = [
     "ElasticBlockPoolMixin",
     "EnginePool",
-    "check_single_process",
     "close_on_shutdown",
     "elastic_block_pool_class",
     "elastic_enabled",

@@ -56,8 +56,7 @@ class ElasticBlockPoolMixin:
         self._kv_mappable_pages = engine_pool.pool.available_size
         self._kv_k = engine_pool.blocks_per_page
         num_pages = -(-self.num_gpu_blocks // self._kv_k)
-        self._kv_held = bytearray(num_pages)
-        self._kv_held_pages: set[int] = set()
+        self._kv_held: set[int] = set()  # the pages whose blocks may be handed out
         # When each page last had a block freed (a tick per free_blocks call): trimming evicts
         # the least recently freed pages first without walking vLLM's free queue, which holds
         # every block of the virtual KV space (hundreds of thousands on a large GPU).
@@ -72,7 +71,6 @@ class ElasticBlockPoolMixin:
         self._kv_dirty: set[int] = set()
         self._kv_logical_view = False
         self._kv_max_cached_tokens = settings.max_cached_tokens
-        self._kv_block_tokens: int | None = None
         # True while the last trim left the free-but-mapped blocks over the cap with no held
         # page idle: only a block freed since can make a page evictable again.
         self._kv_trim_exhausted = False
@@ -88,8 +86,7 @@ class ElasticBlockPoolMixin:
         return max(0, min(self._kv_k, self.num_gpu_blocks - start))
 
     def _hold_page(self, page: int) -> None:
-        self._kv_held[page] = 1
-        self._kv_held_pages.add(page)
+        self._kv_held.add(page)
         self._kv_unheld_blocks -= self._page_blocks(page)
         parked = self._kv_parked.pop(page, None)
         if parked:
@@ -99,8 +96,7 @@ class ElasticBlockPoolMixin:
                 queue.append(block)
 
     def _drop_page(self, page: int) -> None:
-        self._kv_held[page] = 0
-        self._kv_held_pages.discard(page)
+        self._kv_held.discard(page)
         self._kv_unheld_blocks += self._page_blocks(page)
 
     def _held_free_blocks(self) -> int:
@@ -115,7 +111,7 @@ class ElasticBlockPoolMixin:
         if self._kv_logical_view:
             return self._logical_free_blocks()
         unheld = self._kv_unheld_blocks
-        held_free = self._held_free_blocks()
+        held_free = int(self.free_block_queue.num_free_blocks) - unheld + self._kv_parked_count
         if unheld == 0:
             return held_free
         return held_free + min(unheld, self._kv_mappable_pages() * self._kv_k)
@@ -138,7 +134,7 @@ class ElasticBlockPoolMixin:
         while len(chosen) < num_blocks:
             block = queue.popleft()
             page = block.block_id // k
-            if held[page]:
+            if page in held:
                 chosen.append(block)
             else:
                 # A block of an unbacked page carries no data: it waits for its page.
@@ -199,7 +195,7 @@ class ElasticBlockPoolMixin:
         finally:
             self._kv_logical_view = False
         if reset:
-            self._kv_dirty.update(self._kv_held_pages)
+            self._kv_dirty.update(self._kv_held)
         return reset
 
     # ------------------------------------------------------------------ release
@@ -218,14 +214,14 @@ class ElasticBlockPoolMixin:
         if dirty:
             held = self._kv_held
             for page in sorted(dirty):
-                if page != 0 and held[page] and self._page_is_idle(page, cached_ok=False):
+                if page != 0 and page in held and self._page_is_idle(page, cached_ok=False):
                     released.append(page)
             for page in released:
                 self._drop_page(page)
         cap = self._kv_max_cached_tokens
         if cap >= 0 and self._held_free_blocks() * block_tokens > cap:
             if not self._kv_trim_exhausted or any(
-                page != 0 and self._kv_held[page] and self._page_is_idle(page, cached_ok=True)
+                page != 0 and page in self._kv_held and self._page_is_idle(page, cached_ok=True)
                 for page in dirty
             ):
                 released += self._trim_cached_pages(cap, block_tokens)
@@ -240,7 +236,7 @@ class ElasticBlockPoolMixin:
         """Evict whole pages of cached free blocks, least recently freed first, down to the cap."""
         k = self._kv_k
         candidates = sorted(
-            (p for p in self._kv_held_pages if p != 0 and self._page_is_idle(p, cached_ok=True)),
+            (p for p in self._kv_held if p != 0 and self._page_is_idle(p, cached_ok=True)),
             key=self._kv_page_freed_at.__getitem__,
         )
         trimmed: list[int] = []

@@ -19,16 +19,6 @@ from kvcached_core.integration.vllm.config import engine_settings, pool_name, vi
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def check_single_process(executor_backend: object, world_size: int) -> None:
-    """Refuse configurations whose workers live outside the scheduler's process."""
-    if not workers_in_other_processes(executor_backend, world_size):
-        return
-    raise KVCachedConfigError(
-        "this elastic KV cache needs the scheduler and the worker in one process: "
-        f"this engine uses the {executor_backend!r} executor with world size {world_size}"
-    )
-
-
 def workers_in_other_processes(executor_backend: object, world_size: int) -> bool:
     """False for the uni executor (scheduler and worker in one process), True for the mp
     executor (any world size); every other executor is refused, naming what is supported."""
@@ -161,19 +151,22 @@ def on_step_end(core: Any, block_pool: ElasticBlockPoolMixin, lag: int) -> None:
         pool.trim()
 
 
+_DICTS_KEY = "_kvcached_request_dicts"
+
+
 def _request_keyed_dicts(manager: Any) -> tuple[str, ...]:
     """Names of the dict attributes of a single-type manager (besides `req_to_blocks`): the
     per-request bookkeeping `allocate_slots` may touch (`num_cached_block`, partial-hit
     records, ...), so no version needs to know their names. Found per manager and found again
     when the manager gained attributes (some are created lazily)."""
     attributes = manager.__dict__
-    cached: tuple[int, tuple[str, ...]] | None = attributes.get("_kvcached_request_dicts")
+    cached: tuple[int, tuple[str, ...]] | None = attributes.get(_DICTS_KEY)
     if cached is None or cached[0] != len(attributes):
+        attributes.setdefault(_DICTS_KEY, None)  # counted below like any attribute
         names = tuple(sorted(name for name, value in attributes.items()
                              if isinstance(value, dict) and name != "req_to_blocks"))
-        # The count includes the cache entry itself once it is stored.
-        cached = (len(attributes) + (0 if "_kvcached_request_dicts" in attributes else 1), names)
-        attributes["_kvcached_request_dicts"] = cached
+        cached = (len(attributes), names)
+        attributes[_DICTS_KEY] = cached
     return cached[1]
 
 

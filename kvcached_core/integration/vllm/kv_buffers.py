@@ -120,23 +120,15 @@ def _flat(ftensor: Any, nbytes: int) -> Any:
 def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                         kv_cache_config: Any, kv_cache_tensor: Any,
                         kv_cache_shape: Callable[..., Sequence[int]]) -> Any:
-    """One layer's raw KV buffer (vLLM <= 0.28, `_allocate_kv_cache_tensors`).
+    """One layer's raw KV buffer (vLLM 0.9 - 0.11, `_allocate_kv_cache_tensors`).
 
     `kv_cache_shape` is the backend's `get_kv_cache_shape`; it tells K/V planes apart.
     """
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise KVCachedConfigError(
-            f"elastic KV cache supports one KV cache group, this model has {len(groups)}; "
-            "set KVCACHED_ENABLE=0"
-        )
-    spec = groups[0].kv_cache_spec
-    tensors = list(kv_cache_config.kv_cache_tensors)
-    layer = next(i for i, t in enumerate(tensors) if t is kv_cache_tensor)
-    page_bytes = int(spec.page_size_bytes)
-    num_blocks = int(size) // page_bytes
+    size = int(size)
+    spec = _single_group_spec(kv_cache_config, size)
+    num_blocks = size // int(spec.page_size_bytes)
     shape = tuple(kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads,
                                  spec.head_size))
     if shape[:2] == (2, num_blocks):
@@ -145,14 +137,7 @@ def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
         regions = 1
     else:
         raise KVCachedConfigError(f"unsupported KV cache shape {shape} for {num_blocks} blocks")
-    if any(int(t.size) != int(size) for t in tensors):
-        raise KVCachedConfigError("elastic KV cache needs every layer's KV buffer the same size")
-    existing = pools.lookup(pool_name())
-    if layer == 0 or existing is None or existing.attached:
-        existing = _create_pool(device, num_tensors=len(tensors), regions=regions,
-                                region_bytes=int(size) // regions,
-                                unit_bytes=page_bytes // regions)
-    return _flat(existing.pool.tensors[layer], int(size))
+    return _layer_buffer(device, kv_cache_config, kv_cache_tensor, spec, size, regions)
 
 
 def planes_outside_blocks(kv_cache_shape: ShapeOf, kv_cache_stride_order: StrideOrderOf, *,
@@ -210,14 +195,11 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     `block_stride` is the tensor's packed block stride (0: not packed); `kv_layouts` lists each
     attention group as (layer names, `get_kv_cache_shape`, `get_kv_cache_stride_order`).
     Every layer's buffer is one kvcached tensor of a single pool, so mapping ledger page `p`
-    backs the blocks of page `p` in every layer and plane at once. With R = 1 the address
-    space is rounded up to whole pages (vLLM's minimal profiling cache need not be whole
-    pages); the buffer is its first `size` bytes.
+    backs the blocks of page `p` in every layer and plane at once.
     """
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
     size = int(size)
-    tensors = list(kv_cache_config.kv_cache_tensors)
     if int(block_stride) > 0:
         # One backing for every layer of every group: block b is one contiguous range, so a
         # page backs the same block ids of every group (they share one block pool).
@@ -225,17 +207,33 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                                    region_bytes=_whole_pages(size, int(block_stride)),
                                    unit_bytes=int(block_stride))
         return _flat(engine_pool.pool.tensors[0], size)
+    spec = _single_group_spec(kv_cache_config, size)
+    regions = _regions_of_tensor(kv_cache_tensor, spec, kv_layouts)
+    return _layer_buffer(device, kv_cache_config, kv_cache_tensor, spec, size, regions)
+
+
+def _single_group_spec(kv_cache_config: Any, size: int) -> Any:
+    """The KV cache spec of a model with one KV cache group whose layer buffers are alike."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise KVCachedConfigError(
             f"elastic KV cache supports one KV cache group, this model has {len(groups)}; "
             "set KVCACHED_ENABLE=0"
         )
-    if any(int(t.size) != size for t in tensors):
+    if any(int(t.size) != size for t in kv_cache_config.kv_cache_tensors):
         raise KVCachedConfigError("elastic KV cache needs every layer's KV buffer the same size")
-    spec = groups[0].kv_cache_spec
+    return groups[0].kv_cache_spec
+
+
+def _layer_buffer(device: Any, kv_cache_config: Any, kv_cache_tensor: Any, spec: Any,
+                  size: int, regions: int) -> Any:
+    """The raw buffer of one layer's KVCacheTensor (`regions` equal regions, block `b` one
+    range of each), from the engine's pool, which the first layer creates.
+
+    With R = 1 the address space is rounded up to whole pages (vLLM's minimal profiling cache
+    need not be whole pages); the buffer is its first `size` bytes.
+    """
     page_bytes = int(spec.page_size_bytes)
-    regions = _regions_of_tensor(kv_cache_tensor, spec, kv_layouts)
     if page_bytes % regions or size % page_bytes:
         raise KVCachedConfigError(
             f"a KV buffer of {size} bytes in {regions} region(s) is not whole blocks of "
@@ -245,6 +243,7 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     region_bytes = size // regions
     if regions == 1:
         region_bytes = _whole_pages(region_bytes, unit_bytes)
+    tensors = list(kv_cache_config.kv_cache_tensors)
     index = next(i for i, t in enumerate(tensors) if t is kv_cache_tensor)
     contiguous = engine_settings().contiguous_layout
     if contiguous and getattr(spec, "page_size_padded", None) is not None:
