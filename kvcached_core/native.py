@@ -1,7 +1,7 @@
 """Python face of the native data plane (`kvcached_core._C`).
 
 The extension does not link libtorch (docs/architecture.md, principle 6): a virtual KV tensor
-reaches torch through the DLPack protocol, with no copy. `as_tensor` is the one helper engines
+reaches torch through the DLPack protocol, with no copy. `as_tensor` is the one function engines
 need; torch is imported lazily, so importing this module never requires it.
 """
 

@@ -48,7 +48,7 @@ def test_host_backend_reports_its_device() -> None:
 
 def test_the_type_stub_lists_exactly_what_the_extension_exports() -> None:
     """`_C.pyi` (what mypy reads) and the compiled module agree, class by class; benchmark
-    helpers are not part of the product extension."""
+    functions are not part of the product extension."""
     import ast
     from pathlib import Path
 
