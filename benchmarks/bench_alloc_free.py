@@ -1,6 +1,6 @@
-"""Allocate + free 16 blocks: KVCacheManager vs vLLM 0.32.0's own BlockPool, in one run.
+"""Allocate + free 16 blocks: BlockLedger vs vLLM 0.32.0's own BlockPool, in one run.
 
-Target (DESIGN.md section 7): median(KVCacheManager) <= 1.2 x median(BlockPool).
+Target: median(BlockLedger) <= 1.2 x median(BlockPool).
 
 How vLLM's BlockPool is loaded: the pinned sdist `vllm-0.32.0.tar.gz` (sha256 verified) is
 unpacked into the cache dir, and its `vllm/` tree is put on `sys.path` of a subprocess that runs
@@ -144,7 +144,7 @@ def time_manager(blocks: int, rounds: int, warmup: int) -> dict:
     import gc
 
     from kvcached_core import _C
-    from kvcached_core.manager import KVCacheManager
+    from kvcached_core.ledger import BlockLedger
 
     page = 2 << 20
     block_bytes = 16 * 8 * 128 * 2  # 16 tokens, 8 KV heads, head dim 128, bf16: 32 KiB
@@ -152,7 +152,7 @@ def time_manager(blocks: int, rounds: int, warmup: int) -> dict:
     ftensors = _C.FTensorAllocator(backend, page, False)
     ftensors.create_kv_tensors(64 * page, 1, 2)
     pages = _C.PageAllocator(ftensors, 2, 4, True)
-    manager = KVCacheManager(pages, block_bytes, page)
+    manager = BlockLedger(pages, block_bytes, page)
     clock = time.perf_counter_ns
     samples = []
     gc.disable()

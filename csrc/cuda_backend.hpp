@@ -2,7 +2,10 @@
 // cuMemUnmap / cuMemRelease / cuMemAddressFree on one device, in its primary context.
 //
 // The zero page is one physical allocation per mapping-unit size, zeroed once with cuMemsetD8 and
-// mapped read-only (CU_MEM_ACCESS_FLAGS_PROT_READ) at every unbacked unit. It is never written.
+// mapped at every unbacked unit: read-only (CU_MEM_ACCESS_FLAGS_PROT_READ) by default, so a stray
+// write faults; read-write after set_zero_page_writable(true), which patched vLLM asks for because
+// its dummy runs write padding KV into blocks no request owns. A writable zero page is scratch:
+// its contents are garbage after such writes, and no request ever reads a block it does not own.
 #pragma once
 
 #include <array>
@@ -70,20 +73,5 @@ class CudaBackend : public Backend {
   mutable std::array<std::atomic<uint64_t>, kOpCount> op_calls_{};
   mutable std::array<std::atomic<uint64_t>, kOpCount> op_ns_{};
 };
-
-// Times the raw driver floor for growing by `handles_per_step` allocations of `bytes` each:
-// cuMemCreate + cuMemMap + cuMemSetAccess(read-write), per step, in nanoseconds. Teardown
-// (unmap + release) happens between steps and is not timed. With zero_swap, every slot starts
-// mapped read-only to a zero allocation and the timed step also includes its cuMemUnmap: the
-// floor for a range that keeps unbacked pages readable.
-struct RawMapTiming {
-  std::vector<double> total_ns;
-  std::vector<double> unmap_zero_ns;
-  std::vector<double> create_ns;
-  std::vector<double> map_ns;
-  std::vector<double> access_ns;
-};
-RawMapTiming bench_raw_map(int device_id, size_t bytes, int handles_per_step, int steps,
-                           bool zero_swap);
 
 }  // namespace kvcached

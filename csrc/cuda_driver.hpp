@@ -1,7 +1,7 @@
 // The CUDA driver, loaded at run time. The extension links neither libcuda nor libtorch
-// (DESIGN.md principle 6): libcuda.so.1 is dlopen'ed on first use and every entry point is
-// resolved by its exported (versioned where the header renames it) symbol name. cuda.h is only
-// used for types and constants.
+// (docs/architecture.md, principle 6): libcuda.so.1 is dlopen'ed on first use and every entry
+// point is resolved by its exported (versioned where the header renames it) symbol name. cuda.h
+// is only used for types and constants.
 #pragma once
 
 #include <cuda.h>

@@ -1,5 +1,5 @@
 // C++ error types of the data plane. bindings.cpp translates each one into the Python class of
-// kvcached_core.errors with the same meaning (DESIGN.md principle 8):
+// kvcached_core.errors with the same meaning (docs/architecture.md, principle 8):
 //   OutOfMemoryError     -> PoolExhausted          (recoverable: nothing changed, retry or preempt)
 //   StateError           -> StateConsistencyError  (fatal: the state of memory is unknown)
 //   QuarantineError      -> MapQuarantinedError    (a rollback was uncertain; pages were quarantined)

@@ -2,8 +2,9 @@
 //
 // Invariants (kept under mutex_, the callers serialise mutations through FTensorAllocator):
 // - every unit of the range is mapped either to its own PhysicalPage (listed in mapping_) or to
-//   the backend's read-only zero page, except units listed in uncertain_units_, whose state is
-//   unknown after a failed rollback and which are never mapped again;
+//   the backend's zero page (read-only unless the backend was made writable), except units
+//   listed in uncertain_units_, whose state is unknown after a failed rollback and which are
+//   never mapped again;
 // - a PhysicalPage whose rollback was uncertain is kept in quarantine_ until destruction and is
 //   never reused.
 #pragma once

@@ -23,23 +23,23 @@ std::shared_ptr<PageMapper> require_mapper(std::shared_ptr<PageMapper> mapper) {
 
 PageAllocator::PageAllocator(std::shared_ptr<PageMapper> mapper, size_t min_reserved,
                              size_t max_reserved, bool prealloc, bool adopt_mapped)
-    : allocator_(require_mapper(std::move(mapper))),
-      num_total_(allocator_->num_logical_pages()),
+    : mapper_(require_mapper(std::move(mapper))),
+      num_total_(mapper_->num_logical_pages()),
       min_reserved_(std::min(min_reserved, num_total_)),
       max_reserved_(std::min(max_reserved, num_total_)),
       capacity_(num_total_) {
-  if (!allocator_->tensors_created()) {
+  if (!mapper_->tensors_created()) {
     throw ConfigError("create_kv_tensors must be called before building a PageAllocator");
   }
   if (min_reserved > max_reserved) {
     throw ConfigError("min_reserved (" + std::to_string(min_reserved) +
                       ") must not exceed max_reserved (" + std::to_string(max_reserved) + ")");
   }
-  if (auto txn = allocator_->pending_txn()) {
+  if (auto txn = mapper_->pending_txn()) {
     throw ConfigError("a PageAllocator needs a page mapper with no unmap transaction pending "
                       "(transaction " + std::to_string(*txn) + " is)");
   }
-  std::vector<int64_t> mapped = allocator_->mapped_page_ids();
+  std::vector<int64_t> mapped = mapper_->mapped_page_ids();
   if (!mapped.empty() && !adopt_mapped) {
     throw ConfigError("a PageAllocator needs an FTensorAllocator with no page mapped yet (" +
                       std::to_string(mapped.size()) +
@@ -52,7 +52,7 @@ PageAllocator::PageAllocator(std::shared_ptr<PageMapper> mapper, size_t min_rese
                        std::to_string(id) + " outside [0, " + std::to_string(num_total_) + ")");
     }
   };
-  for (int64_t id : allocator_->quarantined_page_ids()) {
+  for (int64_t id : mapper_->quarantined_page_ids()) {
     check_id(id, "quarantined");
     quarantined_.insert(id);
   }
@@ -68,7 +68,7 @@ PageAllocator::PageAllocator(std::shared_ptr<PageMapper> mapper, size_t min_rese
     }
   }
   // Adopted pages beyond what the reserve may hold go back now, before any thread starts.
-  if (!excess.empty()) allocator_->unmap_pages(excess);
+  if (!excess.empty()) mapper_->unmap_pages(excess);
   for (size_t id = 0; id < num_total_; ++id) {
     const auto page = static_cast<int64_t>(id);
     if (reserved_.count(page) == 0 && quarantined_.count(page) == 0) free_.insert(page);
@@ -121,7 +121,7 @@ std::vector<int64_t> PageAllocator::quarantined_among(
     const std::vector<int64_t>& candidates) const {
   std::vector<int64_t> all;
   try {
-    all = allocator_->quarantined_page_ids();
+    all = mapper_->quarantined_page_ids();
   } catch (const std::exception&) {
     return candidates;  // the mapper cannot say which ones: none of them is trusted again
   }
@@ -136,7 +136,7 @@ std::vector<int64_t> PageAllocator::quarantined_among(
 void PageAllocator::timed_map(const std::vector<int64_t>& ids) {
   auto start = std::chrono::steady_clock::now();
   try {
-    allocator_->map_pages(ids);
+    mapper_->map_pages(ids);
   } catch (...) {
     map_calls_.fetch_add(1, std::memory_order_relaxed);
     map_ns_total_.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
@@ -151,7 +151,7 @@ void PageAllocator::unmap_to_free(const std::vector<int64_t>& ids) {
   auto start = std::chrono::steady_clock::now();
   std::string error;
   try {
-    allocator_->unmap_pages(ids);
+    mapper_->unmap_pages(ids);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -371,7 +371,7 @@ void PageAllocator::refill_loop() {
   }
 }
 
-size_t PageAllocator::physical_free_pages() const { return allocator_->physical_free_pages(); }
+size_t PageAllocator::physical_free_pages() const { return mapper_->physical_free_pages(); }
 
 std::string PageAllocator::state() const {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -70,10 +70,10 @@ class PageAllocator {
   size_t min_reserved() const { return min_reserved_; }
   size_t max_reserved() const { return max_reserved_; }
   std::vector<int64_t> reserved_page_ids() const;
-  const std::shared_ptr<PageMapper>& mapper() const { return allocator_; }
+  const std::shared_ptr<PageMapper>& mapper() const { return mapper_; }
   // The local FTensorAllocator, or nullptr when the pages are mapped elsewhere.
   std::shared_ptr<FTensorAllocator> ftensor_allocator() const {
-    return std::dynamic_pointer_cast<FTensorAllocator>(allocator_);
+    return std::dynamic_pointer_cast<FTensorAllocator>(mapper_);
   }
 
   uint64_t reserve_hits() const { return reserve_hits_.load(std::memory_order_relaxed); }
@@ -98,7 +98,7 @@ class PageAllocator {
   std::vector<int64_t> quarantined_among(const std::vector<int64_t>& candidates) const;
   std::vector<int64_t> take_lowest_locked(std::set<int64_t>* from, size_t count);
 
-  const std::shared_ptr<PageMapper> allocator_;
+  const std::shared_ptr<PageMapper> mapper_;
   const size_t num_total_;
   const size_t min_reserved_;
   const size_t max_reserved_;

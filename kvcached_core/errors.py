@@ -1,4 +1,4 @@
-"""The two kinds of error the runtime raises (DESIGN.md principle 8).
+"""The two kinds of error the runtime raises (docs/architecture.md, principle 8).
 
 Resource pressure is recoverable: the engine sees "no free blocks" and preempts or
 retries. Unknown state is fatal: the pool refuses further work and says why. The native

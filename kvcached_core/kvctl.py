@@ -35,11 +35,12 @@ from kvcached_core.budget import (
 )
 from kvcached_core.errors import KVCachedError
 from kvcached_core.limits import (
+    CorruptRecord,
     LimitRecord,
     collect_stale,
     delete_record,
-    list_records,
     read_record,
+    scan_records,
     set_limit,
     shm_dir,
 )
@@ -111,7 +112,7 @@ def _percent(used: int, limit: int) -> str:
     return f"{100.0 * used / limit:.1f}%" if limit else "-"
 
 
-def _render_table(records: Sequence[LimitRecord]) -> str:
+def _render_table(records: Sequence[LimitRecord], corrupt: Sequence[CorruptRecord] = ()) -> str:
     header = ("POOL", "LIMIT", "USED", "RESERVED", "USED%", "CAPACITY", "REV", "PID", "STATE")
     rows = [header]
     for record in records:
@@ -128,6 +129,11 @@ def _render_table(records: Sequence[LimitRecord]) -> str:
                 "stale" if record.stale else "live",
             )
         )
+    for entry in corrupt:
+        # A corrupt record has no figures; its owner (if alive) rewrites it within a poll.
+        pid = str(entry.owner_pid) if entry.owner_pid is not None else "unknown"
+        rows.append((entry.pool, "-", "-", "-", "-", "-", "-", pid, "corrupt"))
+    rows[1:] = sorted(rows[1:], key=lambda row: row[0])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -174,17 +180,26 @@ def _record_dict(record: LimitRecord) -> dict[str, object]:
     return data
 
 
+def _corrupt_dict(entry: CorruptRecord) -> dict[str, object]:
+    return {"pool": entry.pool, "corrupt": True, "reason": entry.reason,
+            "owner_pid": entry.owner_pid, "stale": entry.stale}
+
+
 def _cmd_list(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
     if args.gc:
         for removed in collect_stale(directory):
-            print(f"removed stale pool {removed.pool} (pid {removed.owner_pid})", file=sys.stderr)
-    records = list_records(directory)
+            kind = "corrupt" if removed.reason.startswith("corrupt") else "stale"
+            pid = removed.owner_pid if removed.owner_pid is not None else "unknown"
+            print(f"removed {kind} pool {removed.pool} (pid {pid}): {removed.reason}",
+                  file=sys.stderr)
+    records, corrupt = scan_records(directory)
     if args.json:  # pools only, as always; budgets: `kvctl budget list --json`
-        json.dump([_record_dict(r) for r in records], out, indent=2)
+        entries = [_record_dict(r) for r in records] + [_corrupt_dict(c) for c in corrupt]
+        json.dump(sorted(entries, key=lambda entry: str(entry["pool"])), out, indent=2)
         out.write("\n")
         return EXIT_OK
-    if records:
-        out.write(_render_table(records) + "\n")
+    if records or corrupt:
+        out.write(_render_table(records, corrupt) + "\n")
     else:
         out.write(f"no pools in {directory}\n")
     budgets = list_budgets(directory)
@@ -263,9 +278,10 @@ def _cmd_watch(args: argparse.Namespace, directory: Path, out: TextIO) -> int:
         raise _CommandError(f"invalid interval {args.interval} (seconds > 0)")
     shown = 0
     while True:
-        records = list_records(directory)
+        records, corrupt = scan_records(directory)
         out.write(time.strftime("%H:%M:%S") + "\n")
-        out.write((_render_table(records) if records else f"no pools in {directory}") + "\n\n")
+        table = _render_table(records, corrupt) if records or corrupt else ""
+        out.write((table or f"no pools in {directory}") + "\n\n")
         out.flush()
         shown += 1
         if args.count and shown >= args.count:
@@ -304,8 +320,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
         return EXIT_USAGE
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
-    directory = shm_dir(args.shm_dir)
     try:
+        directory = shm_dir(args.shm_dir)
         return _COMMANDS[args.command](args, directory, stdout)
     except (_CommandError, KVCachedError, ValueError) as exc:
         print(f"kvctl {args.command}: {exc}", file=sys.stderr)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +31,14 @@ RECORD_PREFIX = "kvcached."
 _RECORD = struct.Struct("<8sIIqqqQqq")
 RECORD_SIZE = _RECORD.size
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+# Where the owner pid sits in a record (after magic, version, flags and four 8-byte fields).
+_OWNER_PID = struct.Struct("<q")
+_OWNER_PID_OFFSET = 8 + 4 + 4 + 4 * 8
+# Default names of the engines' pools carry their owner's pid: `vllm-<pid>`,
+# `sglang-<kind>-<pid>-<n>` (see integration/*/); a name chosen by the user may not.
+_PID_IN_DEFAULT_NAME = re.compile(r"^(?:vllm|sglang-[a-z]+)-([1-9][0-9]{0,9})(?:-[0-9]+)?$")
+
+logger = logging.getLogger(__name__)
 
 
 class UnknownPoolError(KVCachedError, LookupError):
@@ -47,7 +57,10 @@ def shm_dir(directory: str | os.PathLike[str] | None = None) -> Path:
     """Where records live: the argument, else `KVCACHED_SHM_DIR`, else `/dev/shm`."""
     if directory is not None:
         return Path(directory)
-    return Path(os.environ.get("KVCACHED_SHM_DIR") or "/dev/shm")
+    # Imported here: settings validates budget names, and the budget module imports this one.
+    from kvcached_core.settings import current_settings
+
+    return Path(current_settings().shm_dir)
 
 
 def validate_pool_name(pool: str) -> str:
@@ -147,22 +160,87 @@ def read_record(pool: str, directory: str | os.PathLike[str] | None = None) -> L
 
 
 def list_records(directory: str | os.PathLike[str] | None = None) -> list[LimitRecord]:
-    """Every readable record in the directory, sorted by pool name (corrupt files skipped)."""
+    """Every readable record in the directory, sorted by pool name (see `scan_records` for the
+    corrupt ones)."""
+    return scan_records(directory)[0]
+
+
+@dataclass(frozen=True)
+class CorruptRecord:
+    """A record file whose bytes are not a record (truncated, overwritten, foreign format)."""
+
+    pool: str
+    path: Path
+    reason: str
+    #: From the header when it still holds one, else from a default pool name; None: unknown.
+    owner_pid: int | None
+    #: Seconds since the file last changed (a live owner rewrites a corrupt record at once).
+    age_s: float
+
+    @property
+    def stale(self) -> bool:
+        """No live owner will rewrite it: its owner is gone, or (owner unknown) nobody has
+        rewritten it for `CORRUPT_GRACE_S`."""
+        if self.owner_pid is not None:
+            return not pid_alive(self.owner_pid)
+        return self.age_s >= CORRUPT_GRACE_S
+
+
+#: How long a corrupt record of unknown owner is left alone: an owner's watcher rewrites its
+#: record within one poll (0.1 s), so one corrupt for this long has no live owner watching it.
+CORRUPT_GRACE_S = 5.0
+
+
+def _owner_pid_of_corrupt(pool: str, data: bytes) -> int | None:
+    if data[: len(MAGIC)] == MAGIC and len(data) >= _OWNER_PID_OFFSET + _OWNER_PID.size:
+        (pid,) = _OWNER_PID.unpack_from(data, _OWNER_PID_OFFSET)
+        if pid > 0:
+            return int(pid)
+    match = _PID_IN_DEFAULT_NAME.match(pool)
+    return int(match.group(1)) if match else None
+
+
+def _inspect(pool: str, path: Path) -> LimitRecord | CorruptRecord | None:
+    """The record at `path`, what is known of it when corrupt, None when it vanished."""
+    try:
+        with _locked(path, write=False) as fd:
+            data = os.pread(fd, RECORD_SIZE, 0)
+            age_s = max(0.0, time.time() - os.fstat(fd).st_mtime)
+    except UnknownPoolError:
+        return None
+    try:
+        return LimitRecord.unpack(pool, data)
+    except CorruptRecordError as exc:
+        return CorruptRecord(pool, path, str(exc), _owner_pid_of_corrupt(pool, data), age_s)
+
+
+def scan_records(
+    directory: str | os.PathLike[str] | None = None,
+) -> tuple[list[LimitRecord], list[CorruptRecord]]:
+    """Every record file in the directory, sorted by pool name: the readable records and the
+    corrupt ones. Files of other names and unreadable files (permissions) are not records."""
     base = shm_dir(directory)
-    records = []
+    records: list[LimitRecord] = []
+    corrupt: list[CorruptRecord] = []
     try:
         names = sorted(os.listdir(base))
     except FileNotFoundError:
-        return []
+        return records, corrupt
     for name in names:
         if not name.startswith(RECORD_PREFIX):
             continue
         pool = name[len(RECORD_PREFIX) :]
         if not _POOL_NAME.match(pool):
             continue
-        with contextlib.suppress(UnknownPoolError, CorruptRecordError, PermissionError):
-            records.append(read_record(pool, base))
-    return records
+        try:
+            entry = _inspect(pool, base / name)
+        except PermissionError:
+            continue
+        if isinstance(entry, LimitRecord):
+            records.append(entry)
+        elif isinstance(entry, CorruptRecord):
+            corrupt.append(entry)
+    return records, corrupt
 
 
 def set_limit(
@@ -208,26 +286,71 @@ def delete_record(
         return record
 
 
-def collect_stale(directory: str | os.PathLike[str] | None = None) -> list[LimitRecord]:
-    """Remove every record whose owner is gone; returns what was removed."""
+def _remove_if_still_corrupt(entry: CorruptRecord) -> bool:
+    """Unlink the file if its bytes are still not a record (its owner may have rewritten it
+    since it was inspected)."""
+    try:
+        with _locked(entry.path, write=True) as fd:
+            try:
+                LimitRecord.unpack(entry.pool, os.pread(fd, RECORD_SIZE, 0))
+            except CorruptRecordError:
+                entry.path.unlink()
+                return True
+            return False
+    except (UnknownPoolError, FileNotFoundError, PermissionError):
+        return False
+
+
+@dataclass(frozen=True)
+class RemovedRecord:
+    """A record `collect_stale` removed, and why."""
+
+    pool: str
+    owner_pid: int | None
+    reason: str
+
+
+def collect_stale(directory: str | os.PathLike[str] | None = None) -> list[RemovedRecord]:
+    """Remove every record no live owner holds: stale ones (owner gone) and corrupt ones whose
+    owner is gone or, owner unknown, that nobody rewrote for `CORRUPT_GRACE_S`."""
+    records, corrupt = scan_records(directory)
     removed = []
-    for record in list_records(directory):
+    for record in records:
         if record.stale:
-            with contextlib.suppress(UnknownPoolError, KVCachedConfigError):
-                removed.append(delete_record(record.pool, directory=directory))
+            with contextlib.suppress(UnknownPoolError, KVCachedError):
+                delete_record(record.pool, directory=directory)
+                removed.append(RemovedRecord(
+                    record.pool, record.owner_pid,
+                    f"stale: owner pid {record.owner_pid} is gone"))
+    for entry in corrupt:
+        if not entry.stale:
+            continue
+        owner = (f"owner pid {entry.owner_pid} is gone" if entry.owner_pid is not None
+                 else f"owner unknown, not rewritten for {entry.age_s:.0f}s")
+        if _remove_if_still_corrupt(entry):
+            removed.append(RemovedRecord(entry.pool, entry.owner_pid,
+                                         f"corrupt ({entry.reason}); {owner}"))
     return removed
 
 
 class LimitSegment:
-    """The owner's handle on its pool's record: create, publish usage, close."""
+    """The owner's handle on its pool's record: create, publish usage, close.
 
-    def __init__(self, pool: str, path: Path, fd: int, inode: tuple[int, int]) -> None:
+    The owner remembers the last record it read or wrote. When the file's bytes stop being a
+    record (truncated by another process, a full /dev/shm), the owner rewrites it from that
+    memory (limit, usage, capacity, a revision past the last one) and logs one warning.
+    """
+
+    def __init__(
+        self, pool: str, path: Path, fd: int, inode: tuple[int, int], record: LimitRecord
+    ) -> None:
         self.pool = pool
         self.path = path
         self._fd = fd
         self._inode = inode
         self._lock = threading.Lock()
         self._closed = False
+        self._last = record
 
     @classmethod
     def create(
@@ -268,7 +391,7 @@ class LimitSegment:
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            return cls(pool, path, fd, (stat.st_dev, stat.st_ino))
+            return cls(pool, path, fd, (stat.st_dev, stat.st_ino), record)
         raise KVCachedConfigError(f"could not create limit record {path}")
 
     def read(self) -> LimitRecord:
@@ -276,7 +399,15 @@ class LimitSegment:
             self._check_open()
             fcntl.flock(self._fd, fcntl.LOCK_SH)
             try:
-                return _read_fd(self.pool, self._fd)
+                self._last = _read_fd(self.pool, self._fd)
+                return self._last
+            except CorruptRecordError:
+                pass
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                return self._read_or_recover_locked()
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
@@ -287,11 +418,32 @@ class LimitSegment:
                 return
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                current = _read_fd(self.pool, self._fd)
+                current = self._read_or_recover_locked()
                 updated = replace(current, used_bytes=used_bytes, reserved_bytes=reserved_bytes)
                 os.pwrite(self._fd, updated.pack(), 0)
+                self._last = updated
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _read_or_recover_locked(self) -> LimitRecord:
+        """The record (caller holds the exclusive flock); a corrupt one is rewritten first."""
+        try:
+            self._last = _read_fd(self.pool, self._fd)
+            return self._last
+        except CorruptRecordError as exc:
+            # A revision past every one seen makes the watcher (and `kvctl --revision`)
+            # treat the rewrite as a change; the limit is the last one the owner knew.
+            recovered = replace(self._last, revision=self._last.revision + 1,
+                                owner_pid=os.getpid())
+            os.pwrite(self._fd, recovered.pack(), 0)
+            os.ftruncate(self._fd, RECORD_SIZE)
+            self._last = recovered
+            logger.warning(
+                "kvcached: limit record %s was corrupt (%s); rewrote it from the state of "
+                "pool %r (limit %d bytes, revision %d)",
+                self.path, exc, self.pool, recovered.limit_bytes, recovered.revision,
+            )
+            return recovered
 
     def set_limit(self, limit_bytes: int) -> LimitRecord:
         self._check_open()
@@ -359,10 +511,19 @@ class LimitWatcher:
         return True
 
     def _run(self) -> None:
+        failing: str | None = None  # the error last reported, so a persisting one logs once
         while not self._stop.wait(self._interval_s):
-            self.poll_once()
-            if self._on_tick is not None:
-                self._on_tick()
+            try:
+                self.poll_once()
+                if self._on_tick is not None:
+                    self._on_tick()
+            except Exception as exc:  # the watcher outlives any one bad poll
+                if repr(exc) != failing:
+                    logger.warning("kvcached: limit watcher of pool %r: %s (still watching)",
+                                   self._segment.pool, exc)
+                failing = repr(exc)
+            else:
+                failing = None
 
     def stop(self) -> None:
         self._stop.set()

@@ -20,9 +20,9 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvcached_core.manager import ManagerSnapshot
+    from kvcached_core.ledger import LedgerSnapshot
 
-SnapshotSource = Callable[[], "ManagerSnapshot"]
+SnapshotSource = Callable[[], "LedgerSnapshot"]
 
 # The registry used when the caller passes none (kept apart from prometheus_client's global one
 # so that importing this module never changes what an engine already exports).
@@ -92,10 +92,10 @@ class PoolCollector(Collector):
         )
         for pool, source in sources:
             snapshot = source()
-            for field, family in gauges.items():
-                family.add_metric([pool], float(getattr(snapshot, field)))
-            for field, family in counters.items():
-                family.add_metric([pool], float(getattr(snapshot, field)))
+            for field, gauge in gauges.items():
+                gauge.add_metric([pool], float(getattr(snapshot, field)))
+            for field, counter in counters.items():
+                counter.add_metric([pool], float(getattr(snapshot, field)))
             map_latency.add_metric(
                 [pool], count_value=snapshot.map_calls, sum_value=snapshot.map_ns_total / _NS_PER_S
             )

@@ -1,8 +1,8 @@
 """Python face of the native data plane (`kvcached_core._C`).
 
-The extension does not link libtorch (DESIGN.md principle 6): a virtual KV tensor reaches torch
-through the DLPack protocol, with no copy. `as_tensor` is the one helper engines need; torch is
-imported lazily, so importing this module never requires it.
+The extension does not link libtorch (docs/architecture.md, principle 6): a virtual KV tensor
+reaches torch through the DLPack protocol, with no copy. `as_tensor` is the one function engines
+need; torch is imported lazily, so importing this module never requires it.
 """
 
 from __future__ import annotations

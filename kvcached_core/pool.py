@@ -2,7 +2,9 @@
 
 One pool owns the backend, the virtual KV tensors, the page allocator, the block ledger, the
 shared limit record (and its watcher) and the pool's metrics. An engine seam needs only:
-`alloc`, `free`, `available_size`, `kv_views`, the release-epoch pair and `close`.
+`alloc`, `free`, `available_size`, the release-epoch pair, the reserve (`reserve_pages`,
+`trim`), `clear` and `close`. A pool is made from a `PoolSpec` (its shape) and a `PoolPolicy`
+(how it spends memory).
 """
 
 from __future__ import annotations
@@ -10,19 +12,18 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcached_core.budget import require_budget
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.layout import KVCacheSpec, check_page_geometry, kv_views
+from kvcached_core.layout import check_page_geometry
+from kvcached_core.ledger import BlockLedger, LedgerSnapshot
 from kvcached_core.limits import LimitSegment, LimitWatcher
-from kvcached_core.manager import KVCacheManager, ManagerSnapshot
 from kvcached_core.metrics import PoolMetrics, register_pool
 from kvcached_core.settings import MIB, KVCachedSettings
 
 if TYPE_CHECKING:
-    import torch
     from prometheus_client import CollectorRegistry
 
 BackendKind = Literal["host", "cuda"]
@@ -43,6 +44,7 @@ def make_backend(
     """
     from kvcached_core import _C
 
+    backend: _C.Backend
     if kind == "host":
         backend = _C.HostBackend(host_memory_limit_bytes)
     elif kind == "cuda":
@@ -53,6 +55,76 @@ def make_backend(
         return backend
     path = require_budget(budget, shm_dir)
     return _C.BudgetedBackend(backend, budget, str(path))
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The shape a pool is asked for: what its KV tensors look like.
+
+    `virtual_bytes_per_layer` is the address space of one layer (all its buffers), rounded down
+    to whole pages at creation; `page_size` is the mapping unit per layer and buffer;
+    `contiguous` puts every layer of a page side by side (one mapping per page; see the
+    memory model in `layout`).
+    """
+
+    num_layers: int
+    num_kv_buffers: int
+    block_bytes: int
+    virtual_bytes_per_layer: int
+    page_size: int = 2 * MIB
+    contiguous: bool = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: KVCachedSettings,
+        *,
+        num_layers: int,
+        num_kv_buffers: int,
+        block_bytes: int,
+        virtual_bytes_per_layer: int,
+    ) -> PoolSpec:
+        return cls(num_layers, num_kv_buffers, block_bytes, virtual_bytes_per_layer,
+                   settings.page_size, settings.contiguous_layout)
+
+
+@dataclass(frozen=True)
+class PoolPolicy:
+    """How a pool spends physical memory.
+
+    `min_reserve_pages` / `max_reserve_pages`: the page allocator's reserve (warm mapped pages
+    no block is in yet); `prealloc` fills it at start. `physical_limit_bytes`: the limit at
+    start (None: the capacity). `defer_physical_release`: freed pages are only retired; the
+    engine releases them by epoch (`capture_release_marker` / `release_retired_through`).
+    `set_aside_null_block`: block 0 is set aside as the engine's null/padding block. `budget`:
+    a host-wide budget the pages are charged to (`kvctl budget set`). `zero_page_writable`:
+    unbacked pages take stray writes instead of faulting (`Backend.set_zero_page_writable`).
+    `host_memory_limit_bytes`: cap of the host backend (0: none).
+    """
+
+    min_reserve_pages: int = 5
+    max_reserve_pages: int = 10
+    prealloc: bool = True
+    physical_limit_bytes: int | None = None
+    defer_physical_release: bool = False
+    set_aside_null_block: bool = True
+    budget: str | None = None
+    zero_page_writable: bool = False
+    host_memory_limit_bytes: int = 0
+
+    @classmethod
+    def from_settings(cls, settings: KVCachedSettings, **overrides: Any) -> PoolPolicy:
+        """The policy the `KVCACHED_*` settings give (`overrides` win, by field name)."""
+        policy = cls(
+            min_reserve_pages=settings.min_reserved_pages,
+            max_reserve_pages=settings.max_reserved_pages,
+            prealloc=settings.prealloc,
+            physical_limit_bytes=settings.physical_limit_bytes,
+            defer_physical_release=settings.defer_physical_release,
+            budget=settings.budget,
+            zero_page_writable=bool(settings.zero_page_writable),
+        )
+        return replace(policy, **overrides) if overrides else policy
 
 
 @dataclass(frozen=True)
@@ -77,7 +149,11 @@ class PoolGeometry:
 
 
 class KVPool:
-    """A KV cache whose physical memory follows the blocks in use."""
+    """A KV cache whose physical memory follows the blocks in use.
+
+    The ledger (`BlockLedger`) behind it is an implementation detail: engine seams use the
+    methods of this class only.
+    """
 
     def __init__(
         self,
@@ -87,7 +163,7 @@ class KVPool:
         ftensor_allocator: Any,
         tensors: list[Any],
         page_allocator: Any,
-        manager: KVCacheManager,
+        ledger: BlockLedger,
         segment: LimitSegment | None,
         metrics: PoolMetrics | None,
     ) -> None:
@@ -97,7 +173,7 @@ class KVPool:
         self.ftensor_allocator = ftensor_allocator
         self.tensors = tensors
         self.page_allocator = page_allocator
-        self.manager = manager
+        self.ledger = ledger
         self._segment = segment
         self._metrics = metrics
         self._watcher: LimitWatcher | None = None
@@ -109,71 +185,58 @@ class KVPool:
     def create(
         cls,
         name: str,
+        spec: PoolSpec,
+        policy: PoolPolicy | None = None,
         *,
         backend: BackendKind = "host",
         device: int = 0,
-        num_layers: int,
-        num_kv_buffers: int,
-        block_bytes: int,
-        virtual_bytes_per_layer: int,
-        page_size: int = 2 * MIB,
-        contiguous: bool = False,
-        min_reserved: int = 5,
-        max_reserved: int = 10,
-        physical_limit_bytes: int | None = None,
-        defer_physical_release: bool = False,
-        reserve_null_block: bool = True,
-        prealloc: bool = True,
         shm_dir: str | os.PathLike[str] | None = None,
         share_limits: bool = True,
         metrics_registry: CollectorRegistry | None = None,
         export_metrics: bool = True,
-        host_memory_limit_bytes: int = 0,
-        budget: str | None = None,
-        zero_page_writable: bool = False,
     ) -> KVPool:
-        """Build a pool. `virtual_bytes_per_layer` is the address space of one layer (all its
-        buffers); it is rounded down to whole pages. `budget` names a host-wide memory budget
-        (`kvcached_core.budget`) that the pool's physical pages are charged to.
-        `zero_page_writable`: unbacked pages take stray writes instead of faulting (see
-        `Backend.set_zero_page_writable`)."""
-        if num_layers <= 0 or num_kv_buffers <= 0:
+        """Build a pool of shape `spec` spending memory by `policy` (default `PoolPolicy()`) on
+        the `backend` ("host" or one CUDA `device`). `share_limits`: publish a limit record
+        (`kvctl`) in `shm_dir`; `export_metrics`: register Prometheus metrics."""
+        policy = PoolPolicy() if policy is None else policy
+        if spec.num_layers <= 0 or spec.num_kv_buffers <= 0:
             raise KVCachedConfigError(
-                f"num_layers and num_kv_buffers must be > 0, got {num_layers}, "
-                f"{num_kv_buffers}"
+                f"num_layers and num_kv_buffers must be > 0, got {spec.num_layers}, "
+                f"{spec.num_kv_buffers}"
             )
-        page_geometry = check_page_geometry(block_bytes, page_size)
+        page_geometry = check_page_geometry(spec.block_bytes, spec.page_size)
         unit = page_geometry.ledger_page_bytes
-        per_buffer = (virtual_bytes_per_layer // num_kv_buffers) // unit * unit
+        per_buffer = (spec.virtual_bytes_per_layer // spec.num_kv_buffers) // unit * unit
         if per_buffer == 0:
             raise KVCachedConfigError(
-                f"virtual_bytes_per_layer={virtual_bytes_per_layer} holds no whole page of "
-                f"{unit} bytes per buffer ({num_kv_buffers} buffer(s))"
+                f"virtual_bytes_per_layer={spec.virtual_bytes_per_layer} holds no whole page "
+                f"of {unit} bytes per buffer ({spec.num_kv_buffers} buffer(s))"
             )
         geometry = PoolGeometry(
-            num_layers, num_kv_buffers, block_bytes, unit, per_buffer, contiguous
+            spec.num_layers, spec.num_kv_buffers, spec.block_bytes, unit, per_buffer,
+            spec.contiguous,
         )
         from kvcached_core import _C
 
         native_backend = make_backend(
             backend,
             device,
-            host_memory_limit_bytes=host_memory_limit_bytes,
-            budget=budget,
+            host_memory_limit_bytes=policy.host_memory_limit_bytes,
+            budget=policy.budget,
             shm_dir=shm_dir,
         )
-        if zero_page_writable:
+        if policy.zero_page_writable:
             native_backend.set_zero_page_writable(True)
-        ftensor_allocator = _C.FTensorAllocator(native_backend, unit, contiguous)
-        tensors = ftensor_allocator.create_kv_tensors(per_buffer, num_layers, num_kv_buffers)
-        page_allocator = _C.PageAllocator(ftensor_allocator, min_reserved, max_reserved, prealloc)
+        ftensor_allocator = _C.FTensorAllocator(native_backend, unit, spec.contiguous)
+        tensors = ftensor_allocator.create_kv_tensors(
+            per_buffer, spec.num_layers, spec.num_kv_buffers)
+        page_allocator = _C.PageAllocator(
+            ftensor_allocator, policy.min_reserve_pages, policy.max_reserve_pages,
+            policy.prealloc)
         return cls._assemble(
             name, geometry, native_backend, ftensor_allocator, tensors, page_allocator,
-            block_bytes=block_bytes, page_size=page_size,
-            cost_per_page=geometry.page_bytes_all_layers, share_limits=share_limits,
-            physical_limit_bytes=physical_limit_bytes, shm_dir=shm_dir,
-            reserve_null_block=reserve_null_block,
-            defer_physical_release=defer_physical_release, export_metrics=export_metrics,
+            policy, page_size=spec.page_size, cost_per_page=geometry.page_bytes_all_layers,
+            share_limits=share_limits, shm_dir=shm_dir, export_metrics=export_metrics,
             metrics_registry=metrics_registry,
         )
 
@@ -186,15 +249,12 @@ class KVPool:
         ftensor_allocator: Any,
         tensors: list[Any],
         page_allocator: Any,
+        policy: PoolPolicy,
         *,
-        block_bytes: int,
         page_size: int,
         cost_per_page: int,
         share_limits: bool,
-        physical_limit_bytes: int | None,
         shm_dir: str | os.PathLike[str] | None,
-        reserve_null_block: bool,
-        defer_physical_release: bool,
         export_metrics: bool,
         metrics_registry: CollectorRegistry | None,
     ) -> KVPool:
@@ -202,28 +262,29 @@ class KVPool:
         failure everything made so far is released."""
         segment: LimitSegment | None = None
         pool: KVPool | None = None
+        limit = policy.physical_limit_bytes
         try:
             if share_limits:
                 segment = LimitSegment.create(
                     name,
                     capacity_bytes=int(page_allocator.num_total) * cost_per_page,
-                    limit_bytes=physical_limit_bytes,
+                    limit_bytes=limit,
                     directory=shm_dir,
                 )
-            manager = KVCacheManager(
+            ledger = BlockLedger(
                 page_allocator,
-                block_bytes,
+                geometry.block_bytes,
                 page_size,
-                reserve_null_block=reserve_null_block,
-                defer_physical_release=defer_physical_release,
+                set_aside_null_block=policy.set_aside_null_block,
+                defer_physical_release=policy.defer_physical_release,
             )
             pool = cls(name, geometry, native_backend, ftensor_allocator, tensors,
-                       page_allocator, manager, segment, None)
-            manager.set_pages_changed_callback(pool._publish_usage)
-            if physical_limit_bytes is not None:
-                manager.resize(pool._blocks_for_limit(physical_limit_bytes))
+                       page_allocator, ledger, segment, None)
+            ledger.set_pages_changed_callback(pool._publish_usage)
+            if limit is not None:
+                ledger.resize(pool._blocks_for_limit(limit))
             if export_metrics:
-                pool._metrics = register_pool(name, manager.snapshot, metrics_registry)
+                pool._metrics = register_pool(name, ledger.snapshot, metrics_registry)
             if segment is not None:
                 pool._publish_usage()
                 pool._watcher = LimitWatcher(segment, pool._on_shared_limit,
@@ -239,48 +300,13 @@ class KVPool:
             raise
 
     @classmethod
-    def from_settings(
-        cls,
-        name: str,
-        settings: KVCachedSettings,
-        *,
-        num_layers: int,
-        num_kv_buffers: int,
-        block_bytes: int,
-        virtual_bytes_per_layer: int,
-        **options: Any,
-    ) -> KVPool:
-        return cls.create(
-            name,
-            num_layers=num_layers,
-            num_kv_buffers=num_kv_buffers,
-            block_bytes=block_bytes,
-            virtual_bytes_per_layer=virtual_bytes_per_layer,
-            page_size=settings.page_size,
-            contiguous=settings.contiguous_layout,
-            min_reserved=settings.min_reserved_pages,
-            max_reserved=settings.max_reserved_pages,
-            prealloc=settings.prealloc,
-            physical_limit_bytes=settings.physical_limit_bytes,
-            defer_physical_release=settings.defer_physical_release,
-            budget=settings.budget,
-            zero_page_writable=bool(settings.zero_page_writable),
-            **options,
-        )
-
-    @classmethod
     def over_mapper(
         cls,
         name: str,
         mapper: Any,
         *,
         page_bytes: int,
-        min_reserved: int = 5,
-        max_reserved: int = 10,
-        physical_limit_bytes: int | None = None,
-        defer_physical_release: bool = False,
-        reserve_null_block: bool = True,
-        prealloc: bool = True,
+        policy: PoolPolicy | None = None,
         shm_dir: str | os.PathLike[str] | None = None,
         share_limits: bool = True,
         metrics_registry: CollectorRegistry | None = None,
@@ -294,9 +320,12 @@ class KVPool:
         epochs are those of a local pool; costs are the mapper's `logical_page_bytes`, i.e.
         every rank's memory together. The geometry counts each (rank, layer, buffer) plane of
         a page as one layer, so `page_bytes_all_layers` is what one page costs the job.
+        `policy`'s budget, zero page and host limit belong to the workers' backends and are
+        not used here.
         """
         from kvcached_core import _C
 
+        policy = PoolPolicy() if policy is None else policy
         logical_page_bytes = int(mapper.logical_page_bytes())
         num_pages = int(mapper.num_logical_pages())
         if page_bytes <= 0 or logical_page_bytes % page_bytes or num_pages <= 0:
@@ -308,77 +337,74 @@ class KVPool:
             logical_page_bytes // page_bytes, 1, page_bytes, page_bytes,
             num_pages * page_bytes, False,
         )
-        page_allocator = _C.PageAllocator(mapper, min_reserved, max_reserved, prealloc)
+        page_allocator = _C.PageAllocator(
+            mapper, policy.min_reserve_pages, policy.max_reserve_pages, policy.prealloc)
         return cls._assemble(
-            name, geometry, None, None, [], page_allocator,
-            block_bytes=page_bytes, page_size=page_bytes, cost_per_page=logical_page_bytes,
-            share_limits=share_limits, physical_limit_bytes=physical_limit_bytes,
-            shm_dir=shm_dir, reserve_null_block=reserve_null_block,
-            defer_physical_release=defer_physical_release, export_metrics=export_metrics,
+            name, geometry, None, None, [], page_allocator, policy,
+            page_size=page_bytes, cost_per_page=logical_page_bytes,
+            share_limits=share_limits, shm_dir=shm_dir, export_metrics=export_metrics,
             metrics_registry=metrics_registry,
         )
 
     # ------------------------------------------------------------------ engine API
 
     def alloc(self, n: int) -> list[int]:
-        return self.manager.alloc(n)
+        return self.ledger.alloc(n)
 
     def free(self, block_ids: list[int]) -> None:
-        self.manager.free(block_ids)
+        self.ledger.free(block_ids)
 
     def available_size(self) -> int:
-        return self.manager.available_size()
+        return self.ledger.available_size()
 
     @property
     def null_block_id(self) -> int | None:
-        return self.manager.null_block_id
+        return self.ledger.null_block_id
 
     @property
     def num_blocks(self) -> int:
-        return self.manager.num_blocks
+        return self.ledger.num_blocks
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.ledger.blocks_per_page
+
+    @property
+    def mapped_pages(self) -> int:
+        """Pages with physical memory behind them: held by blocks or warm in the reserve."""
+        return self.ledger.mapped_pages
+
+    @property
+    def reserve_pages(self) -> int:
+        """Warm pages the page allocator keeps mapped ahead of demand (no block is in them)."""
+        return int(self.page_allocator.num_reserved)
+
+    def clear(self) -> None:
+        """Free every block (set-aside ones too), drop the reserve, set the null block aside."""
+        self.ledger.clear()
 
     def capture_release_marker(self) -> int:
-        return self.manager.capture_release_marker()
+        return self.ledger.capture_release_marker()
 
     def release_retired_through(self, marker: int) -> int:
-        return self.manager.release_retired_through(marker)
-
-    def kv_views(self, spec: KVCacheSpec, dtype: torch.dtype) -> list[torch.Tensor]:
-        """One view per layer in the backend's shape (see `layout.kv_views`)."""
-        geometry = self.geometry
-        if (
-            spec.block_bytes != geometry.block_bytes
-            or spec.num_kv_buffers != geometry.num_kv_buffers
-        ):
-            raise KVCachedConfigError(
-                f"spec has {spec.block_bytes}-byte blocks in {spec.num_kv_buffers} buffer(s); "
-                f"pool {self.name!r} has {geometry.block_bytes}-byte blocks in "
-                f"{geometry.num_kv_buffers}"
-            )
-        return kv_views(
-            self.tensors,
-            spec,
-            num_layers=geometry.num_layers,
-            bytes_per_layer_per_buffer=geometry.bytes_per_layer_per_buffer,
-            contiguous=geometry.contiguous,
-            dtype=dtype,
-        )
+        return self.ledger.release_retired_through(marker)
 
     def set_limit(self, limit_bytes: int) -> bool:
         """Limit physical KV memory (all layers). True if applied now, False if shrinking."""
         if self._segment is not None:
             self._segment.set_limit(limit_bytes)
-        return self.manager.resize(self._blocks_for_limit(limit_bytes))
+        return self.ledger.resize(self._blocks_for_limit(limit_bytes))
 
     def trim(self) -> None:
-        self.manager.trim()
+        """Unmap the reserve (warm pages no block is in)."""
+        self.ledger.trim()
 
-    def snapshot(self) -> ManagerSnapshot:
-        return self.manager.snapshot()
+    def snapshot(self) -> LedgerSnapshot:
+        return self.ledger.snapshot()
 
     def mapped_bytes(self) -> int:
         """Physical bytes the pool holds (all layers and buffers)."""
-        return self.manager.mapped_pages * self.geometry.page_bytes_all_layers
+        return self.ledger.mapped_pages * self.geometry.page_bytes_all_layers
 
     def close(self) -> None:
         """Stop threads, stop exporting, release the limit record. Idempotent."""
@@ -390,7 +416,7 @@ class KVPool:
             self._watcher.stop()
         if self._metrics is not None:
             self._metrics.close()
-        self.manager.shutdown()
+        self.ledger.shutdown()
         if self._segment is not None:
             self._segment.close()
 
@@ -404,17 +430,17 @@ class KVPool:
 
     def _blocks_for_limit(self, limit_bytes: int) -> int:
         pages = max(0, limit_bytes) // self.geometry.page_bytes_all_layers
-        return pages * self.manager.blocks_per_page
+        return pages * self.ledger.blocks_per_page
 
     def _on_shared_limit(self, limit_bytes: int) -> None:
         # Watcher thread: only publish; the scheduler thread applies it on its next alloc.
-        self.manager.request_resize(self._blocks_for_limit(limit_bytes))
+        self.ledger.request_resize(self._blocks_for_limit(limit_bytes))
 
     def _publish_usage(self) -> None:
         if self._segment is None:
             return
         allocator = self.page_allocator
-        pages = (int(allocator.num_in_use), int(allocator.num_reserved))
+        pages = (int(allocator.num_in_use), int(allocator.num_reserved))  # in use, reserve
         self._published_pages = pages
         page_bytes = self.geometry.page_bytes_all_layers
         with contextlib.suppress(OSError):

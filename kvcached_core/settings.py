@@ -1,6 +1,9 @@
 """The settings an engine passes to kvcached_core, and how they are read from the environment.
 
-Every variable is `KVCACHED_*`; a bad value raises `KVCachedConfigError` naming the variable,
+This module is the only reader of `KVCACHED_*` variables. Every module takes its settings from
+`current_settings()`: the process's settings, parsed once and parsed again only when a
+`KVCACHED_*` variable changed (so a test or a launcher that sets one is seen, and an engine
+step does not re-parse anything). A bad value raises `KVCachedConfigError` naming the variable,
 so a typo in a deployment fails at startup instead of running with a silent default.
 """
 
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -77,6 +81,17 @@ class KVCachedSettings:
     `zero_page_writable`: `KVCACHED_ZERO_PAGE=writable|read-only`; None leaves the choice to
     the engine integration (vLLM picks writable: its dummy runs write KV for padding tokens
     into blocks no request owns).
+    `min_reserved_pages` / `max_reserved_pages`: bounds of the page allocator's *reserve*, the
+    warm pages it keeps mapped ahead of demand (no block is in them). "Reserve" means only that
+    in this project; blocks the ledger keeps out of circulation are "set aside".
+    `virtual_size_bytes`: `KVCACHED_VIRTUAL_SIZE`, address space for the KV cache of all layers
+    (None: the engine's own sizing). `pool_name`: `KVCACHED_POOL_NAME` (None: the engine picks
+    one from its pid). `ipc_timeout_s`: `KVCACHED_IPC_TIMEOUT`, seconds one exchange with worker
+    processes may take. `shm_dir`: `KVCACHED_SHM_DIR`, where limit records and budgets live.
+    `scheduler_only`: `KVCACHED_SCHEDULER_ONLY=1` declares a process that runs an engine's
+    scheduler with no KV buffers (planning, the engine's own scheduler tests): its block pools
+    get a host-memory ledger. Without it an elastic scheduler whose KV buffers are not
+    VMM-backed refuses to start.
     """
 
     # Only patched engines read these settings, and a patched engine is elastic unless told
@@ -92,6 +107,11 @@ class KVCachedSettings:
     defer_physical_release: bool = False
     budget: str | None = None
     zero_page_writable: bool | None = None
+    virtual_size_bytes: int | None = None
+    pool_name: str | None = None
+    ipc_timeout_s: float = 60.0
+    shm_dir: str = "/dev/shm"
+    scheduler_only: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size % 4096:
@@ -150,7 +170,37 @@ class KVCachedSettings:
             ),
             budget=_budget_name(env),
             zero_page_writable=_zero_page(env),
+            virtual_size_bytes=_size(env, "KVCACHED_VIRTUAL_SIZE", None),
+            pool_name=env.get("KVCACHED_POOL_NAME", "").strip() or None,
+            ipc_timeout_s=_seconds(env, "KVCACHED_IPC_TIMEOUT", defaults.ipc_timeout_s),
+            shm_dir=env.get("KVCACHED_SHM_DIR", "").strip() or defaults.shm_dir,
+            scheduler_only=_flag(env, "KVCACHED_SCHEDULER_ONLY", defaults.scheduler_only),
         )
+
+
+_ENV_PREFIX = "KVCACHED_"
+_current_lock = threading.Lock()
+_current: tuple[tuple[tuple[str, str], ...], KVCachedSettings] | None = None
+
+
+def current_settings(environ: Mapping[str, str] | None = None) -> KVCachedSettings:
+    """The process's settings (`environ`: parse that mapping instead, uncached).
+
+    Parsed from `os.environ` on first use and again only when a `KVCACHED_*` variable was set,
+    changed or removed since; otherwise the parsed object is returned as it is.
+    """
+    global _current
+    if environ is not None:
+        return KVCachedSettings.from_env(environ)
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIX)))
+    with _current_lock:
+        cached = _current
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    parsed = KVCachedSettings.from_env(dict(key))
+    with _current_lock:
+        _current = (key, parsed)
+    return parsed
 
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -187,6 +237,19 @@ def _size(env: Mapping[str, str], name: str, default: int | None) -> int | None:
         return parse_size(raw)
     except ValueError as exc:
         raise KVCachedConfigError(f"{name}: {exc}") from None
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise KVCachedConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise KVCachedConfigError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
 
 
 def _budget_name(env: Mapping[str, str]) -> str | None:

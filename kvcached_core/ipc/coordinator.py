@@ -51,24 +51,15 @@ from kvcached_core.ipc.protocol import (
     recv_frame,
     send_frame,
 )
+from kvcached_core.settings import current_settings
 
 TIMEOUT_ENV = "KVCACHED_IPC_TIMEOUT"
-DEFAULT_TIMEOUT_S = 60.0
 COMMITTED, ABORTED = "committed", "aborted"
 
 
 def ipc_timeout_s() -> float:
     """Seconds one exchange with the workers may take (`KVCACHED_IPC_TIMEOUT`, default 60)."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise KVCachedConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise KVCachedConfigError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-    return value
+    return current_settings().ipc_timeout_s
 
 
 class WorkerCallError(RuntimeError):

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvcached_core.errors import KVCachedError
 
@@ -96,7 +96,7 @@ def _dumps(message: Mapping[str, Any]) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """A JSON integer in int64 range (bool is not an integer here)."""
     return type(value) is int and _INT64_MIN <= value <= _INT64_MAX
 

@@ -31,7 +31,7 @@ from kvcached_core.ipc.coordinator import (
     WorkerCallError,
     ipc_timeout_s,
 )
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.ledger import BlockLedger
 
 
 @contextmanager
@@ -40,10 +40,10 @@ def coordinator(
     min_reserved: int = 0,
     max_reserved: int = 0,
     prealloc: bool = False,
-    reserve_null_block: bool = False,
-) -> Iterator[tuple[native.PageAllocator, KVCacheManager]]:
+    set_aside_null_block: bool = False,
+) -> Iterator[tuple[native.PageAllocator, BlockLedger]]:
     pages = native.PageAllocator(mapper, min_reserved, max_reserved, prealloc)
-    manager = KVCacheManager(pages, BLOCK_BYTES, PAGE, reserve_null_block=reserve_null_block)
+    manager = BlockLedger(pages, BLOCK_BYTES, PAGE, set_aside_null_block=set_aside_null_block)
     try:
         yield pages, manager
     finally:
@@ -51,7 +51,7 @@ def coordinator(
         mapper.close()
 
 
-def _held_pages(pages: native.PageAllocator, manager: KVCacheManager) -> list[int]:
+def _held_pages(pages: native.PageAllocator, manager: BlockLedger) -> list[int]:
     return sorted(set(manager.page_occupancy()) | set(pages.reserved_page_ids()))
 
 
@@ -60,7 +60,7 @@ def test_allocations_map_on_every_rank_and_frees_unmap_everywhere() -> None:
         mapper = BroadcastMapper.for_job(root, tp_size=2)
         assert mapper.num_logical_pages() == PAGES
         assert mapper.logical_page_bytes() == 2 * LOGICAL_PAGE_BYTES  # summed over the ranks
-        with coordinator(mapper, max_reserved=1, reserve_null_block=True) as (pages, manager):
+        with coordinator(mapper, max_reserved=1, set_aside_null_block=True) as (pages, manager):
             assert pages.ftensor_allocator is None and pages.mapper is mapper
             blocks = manager.alloc(10)  # 4 blocks a page: pages 0 (null block), 1, 2
             held = _held_pages(pages, manager)

@@ -18,7 +18,7 @@ from test_ipc_harness import (
 from kvcached_core import native
 from kvcached_core.errors import StateConsistencyError
 from kvcached_core.ipc.coordinator import TIMEOUT_ENV, BroadcastMapper
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.ledger import BlockLedger
 
 
 def _history(state: dict[str, object]) -> dict[int, str]:
@@ -30,7 +30,7 @@ def test_a_worker_killed_mid_prepare_aborts_everywhere_without_losing_a_page() -
     with workers(2, gate={1: gate}) as (root, (rank0, rank1)):
         mapper = BroadcastMapper.for_job(root, tp_size=2, retry_delay_s=0.01)
         pages = native.PageAllocator(mapper, 0, 0, False)
-        manager = KVCacheManager(pages, BLOCK_BYTES, PAGE, reserve_null_block=False)
+        manager = BlockLedger(pages, BLOCK_BYTES, PAGE, set_aside_null_block=False)
         try:
             blocks = manager.alloc(8)  # pages 0 and 1 on both ranks
             assert rank0.state()["mapped"] == [0, 1]

@@ -145,11 +145,11 @@ def worker_main(config: dict[str, Any]) -> int:
 def coordinator_main(config: dict[str, Any]) -> int:
     """Allocate `blocks` blocks on every rank, report, then free them all (and exit)."""
     from kvcached_core.ipc.coordinator import BroadcastMapper
-    from kvcached_core.manager import KVCacheManager
+    from kvcached_core.ledger import BlockLedger
 
     mapper = BroadcastMapper.for_job(config["root"], config["tp_size"])
     pages = native.PageAllocator(mapper, 0, 0, False)
-    manager = KVCacheManager(pages, BLOCK_BYTES, PAGE, reserve_null_block=False)
+    manager = BlockLedger(pages, BLOCK_BYTES, PAGE, set_aside_null_block=False)
     blocks = manager.alloc(config["blocks"])
     print(f"allocated {json.dumps(blocks)}", flush=True)
     manager.free(blocks)

@@ -11,7 +11,7 @@ from test_ipc_harness import BLOCK_BYTES, LOGICAL_PAGE_BYTES, PAGE, spawn, worke
 from kvcached_core import native
 from kvcached_core.errors import KVCachedConfigError, StateConsistencyError
 from kvcached_core.ipc.coordinator import BroadcastMapper, RecoveryRefused
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.ledger import BlockLedger
 
 
 def _raw_prepare(ranks: list, txn: int, page_ids: list[int]) -> None:  # type: ignore[type-arg]
@@ -52,7 +52,7 @@ def test_a_coordinator_killed_mid_unmap_is_replaced_by_one_that_aborts_and_adopt
 
         # The new pool keeps one adopted page warm and gives the other back on every rank.
         pages = native.PageAllocator(mapper, 0, 1, False, adopt_mapped=True)
-        manager = KVCacheManager(pages, BLOCK_BYTES, PAGE, reserve_null_block=False)
+        manager = BlockLedger(pages, BLOCK_BYTES, PAGE, set_aside_null_block=False)
         try:
             assert pages.reserved_page_ids() == [0]
             for rank in ranks:

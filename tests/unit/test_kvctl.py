@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from kvcached_core.kvctl import main
-from kvcached_core.limits import LimitRecord, LimitSegment, read_record, record_path
+from kvcached_core.limits import (
+    RECORD_SIZE,
+    LimitRecord,
+    LimitSegment,
+    read_record,
+    record_path,
+)
 from kvcached_core.settings import parse_size
 
 GIB = 1 << 30
@@ -171,3 +177,59 @@ def test_real_process_limit_and_list(pool: LimitSegment, shm: Path) -> None:
         [*command, "list", "--json"], env=env, capture_output=True, text=True, timeout=60
     )
     assert json.loads(done.stdout)[0]["limit_bytes"] == 512 * MIB
+
+
+def _kvctl(shm: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The real command line: a separate process, as an operator runs it."""
+    env = {**os.environ, "KVCACHED_SHM_DIR": str(shm)}
+    repo = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "kvcached_core.kvctl", *argv], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_corrupt_records_are_listed_with_their_owner_and_gc_says_what_it_removes(
+    pool: LimitSegment, shm: Path
+) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    # A default-named pool truncated to nothing: its owner pid is in its name (and gone).
+    record_path(f"vllm-{dead.pid}", shm).write_bytes(b"")
+    # Foreign bytes under a user-chosen name, untouched for a minute: owner unknown.
+    junk = record_path("junk", shm)
+    junk.write_bytes(b"x" * RECORD_SIZE)
+    os.utime(junk, (junk.stat().st_mtime - 60,) * 2)
+    # A record of a format this code does not read, whose owner (this process) is alive.
+    newer = bytearray(LimitRecord("newer", GIB, 0, 0, 0, os.getpid(), GIB).pack())
+    newer[8] = 99  # format version
+    record_path("newer", shm).write_bytes(bytes(newer))
+
+    done = _kvctl(shm, "list")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: (line.split()[-2], line.split()[-1])
+            for line in done.stdout.strip().splitlines()[1:]}
+    assert rows == {
+        "junk": ("unknown", "corrupt"),
+        "llama": (str(os.getpid()), "live"),
+        "newer": (str(os.getpid()), "corrupt"),
+        f"vllm-{dead.pid}": (str(dead.pid), "corrupt"),
+    }
+    listed = json.loads(_kvctl(shm, "list", "--json").stdout)
+    by_pool = {entry["pool"]: entry for entry in listed}
+    assert by_pool[f"vllm-{dead.pid}"]["corrupt"] is True
+    assert by_pool[f"vllm-{dead.pid}"]["owner_pid"] == dead.pid
+    assert by_pool["junk"]["owner_pid"] is None
+    assert "format version 99" in by_pool["newer"]["reason"]
+
+    done = _kvctl(shm, "list", "--gc")
+    assert done.returncode == 0, done.stderr
+    removed = sorted(done.stderr.strip().splitlines())
+    assert len(removed) == 2, removed
+    assert removed[0].startswith("removed corrupt pool junk (pid unknown): corrupt (")
+    assert "owner unknown" in removed[0]
+    assert removed[1].startswith(f"removed corrupt pool vllm-{dead.pid} (pid {dead.pid}): ")
+    assert f"owner pid {dead.pid} is gone" in removed[1] and "0 bytes" in removed[1]
+    # The live owner's corrupt record stays for its owner to rewrite.
+    assert [line.split()[0] for line in done.stdout.strip().splitlines()[1:]] == [
+        "llama", "newer"]
+    assert not junk.exists()

@@ -10,16 +10,18 @@ import torch
 
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.layout import (
+    check_page_geometry,
+    compound_page_bytes,
+    nearest_working_block_bytes,
+    page_byte_offset,
+)
+from tests.unit.backend_views import (
     KVCacheSpec,
     KVLayout,
     block_byte_offset,
     block_bytes,
-    check_page_geometry,
-    compound_page_bytes,
     kernel_block_byte_offset,
     layer_view_geometry,
-    nearest_working_block_bytes,
-    page_byte_offset,
 )
 
 KIB = 1024

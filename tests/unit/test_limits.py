@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -169,4 +170,54 @@ def test_watcher_reports_each_new_revision_once(tmp_path: Path) -> None:
     finally:
         watcher.stop()
     assert seen == [GIB, 2 * GIB]
+    segment.close()
+
+
+def test_a_failing_poll_is_reported_once_and_the_watcher_keeps_watching(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    segment = LimitSegment.create("p", capacity_bytes=4 * GIB, directory=tmp_path)
+    seen: list[int] = []
+    changed = threading.Event()
+    ticks = [0]
+
+    def on_limit(limit: int) -> None:
+        seen.append(limit)
+        changed.set()
+
+    def flaky_tick() -> None:  # e.g. publishing usage while /dev/shm is full
+        ticks[0] += 1
+        if ticks[0] <= 5:
+            raise OSError(28, "No space left on device")
+
+    watcher = LimitWatcher(segment, on_limit, interval_s=0.01, on_tick=flaky_tick)
+    try:
+        deadline = time.monotonic() + 5
+        while ticks[0] <= 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        set_limit("p", GIB, directory=tmp_path)
+        assert changed.wait(2.0), "the watcher died on a failing poll"
+    finally:
+        watcher.stop()
+    assert seen == [GIB]
+    reports = [r.getMessage() for r in caplog.records if "still watching" in r.getMessage()]
+    assert len(reports) == 1 and "No space left on device" in reports[0], reports
+    segment.close()
+
+
+def test_the_owner_rewrites_its_truncated_record_from_what_it_last_knew(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    segment = LimitSegment.create("p", capacity_bytes=4 * GIB, directory=tmp_path)
+    set_limit("p", GIB, directory=tmp_path)
+    assert segment.read().limit_bytes == GIB
+    segment.update_usage(3 << 20, 1 << 20)
+    os.truncate(segment.path, 0)
+    with pytest.raises(CorruptRecordError):
+        read_record("p", tmp_path)
+    assert segment.read() == read_record("p", tmp_path)
+    record = read_record("p", tmp_path)
+    assert (record.limit_bytes, record.used_bytes, record.reserved_bytes) == (GIB, 3 << 20, 1 << 20)
+    assert (record.capacity_bytes, record.owner_pid, record.revision) == (4 * GIB, os.getpid(), 2)
+    assert len([r for r in caplog.records if "was corrupt" in r.getMessage()]) == 1
     segment.close()

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvcached_core import _C
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.ledger import BlockLedger
 from kvcached_core.metrics import DEFAULT_REGISTRY, register_pool
 
 KIB = 1024
@@ -16,17 +16,17 @@ PAGE = 64 * KIB
 
 
 @pytest.fixture
-def manager() -> Iterator[KVCacheManager]:
+def manager() -> Iterator[BlockLedger]:
     backend = _C.HostBackend(0)
     ftensors = _C.FTensorAllocator(backend, PAGE, False)
     ftensors.create_kv_tensors(8 * PAGE, 1, 2)
     pages = _C.PageAllocator(ftensors, 0, 1, False)
-    made = KVCacheManager(pages, 16 * KIB, PAGE)
+    made = BlockLedger(pages, 16 * KIB, PAGE)
     yield made
     made.shutdown()
 
 
-def test_scrape_reads_live_counters_with_a_pool_label(manager: KVCacheManager) -> None:
+def test_scrape_reads_live_counters_with_a_pool_label(manager: BlockLedger) -> None:
     registry = CollectorRegistry()
     handle = register_pool("llama", manager.snapshot, registry)
     blocks = manager.alloc(9)  # 3 pages: 1 from the first alloc, 2 more
@@ -48,7 +48,7 @@ def test_scrape_reads_live_counters_with_a_pool_label(manager: KVCacheManager) -
     assert sample("kvcached_used_blocks", {"pool": "llama"}) is None
 
 
-def test_two_pools_share_one_registry_and_names_are_unique(manager: KVCacheManager) -> None:
+def test_two_pools_share_one_registry_and_names_are_unique(manager: BlockLedger) -> None:
     registry = CollectorRegistry()
     first = register_pool("a", manager.snapshot, registry)
     second = register_pool("b", manager.snapshot, registry)
@@ -61,7 +61,7 @@ def test_two_pools_share_one_registry_and_names_are_unique(manager: KVCacheManag
     second.close()
 
 
-def test_default_registry_is_the_module_one(manager: KVCacheManager) -> None:
+def test_default_registry_is_the_module_one(manager: BlockLedger) -> None:
     handle = register_pool("default-test", manager.snapshot)
     try:
         assert DEFAULT_REGISTRY.get_sample_value("kvcached_blocks", {"pool": "default-test"}) == 32
@@ -69,7 +69,7 @@ def test_default_registry_is_the_module_one(manager: KVCacheManager) -> None:
         handle.close()
 
 
-def test_scrape_costs_nothing_on_alloc(manager: KVCacheManager) -> None:
+def test_scrape_costs_nothing_on_alloc(manager: BlockLedger) -> None:
     # The collector only runs on scrape: a failing source breaks the scrape, not the allocator.
     registry = CollectorRegistry()
     calls = []

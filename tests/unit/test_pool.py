@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +16,17 @@ from prometheus_client import CollectorRegistry
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.kvctl import main as kvctl_main
-from kvcached_core.layout import KVCacheSpec, KVLayout, kernel_block_byte_offset
-from kvcached_core.limits import read_record, record_path
+from kvcached_core.limits import CorruptRecordError, read_record, record_path
 from kvcached_core.native import as_tensor
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from kvcached_core.settings import KVCachedSettings
+from tests.unit.backend_views import (
+    KVCacheSpec,
+    KVLayout,
+    kernel_block_byte_offset,
+    pool_kv_views,
+)
+from tests.unit.pool_factory import create_pool
 
 KIB = 1024
 MIB = 1 << 20
@@ -38,12 +46,12 @@ def make_pool(name: str = "test", **options: Any) -> KVPool:
         "block_bytes": 16 * KIB,
         "virtual_bytes_per_layer": 2 * 16 * PAGE,
         "page_size": PAGE,
-        "min_reserved": 0,
-        "max_reserved": 1,
+        "min_reserve_pages": 0,
+        "max_reserve_pages": 1,
         "metrics_registry": CollectorRegistry(),
     }
     defaults.update(options)
-    return KVPool.create(name, **defaults)
+    return create_pool(name, **defaults)
 
 
 @pytest.fixture
@@ -87,11 +95,11 @@ def test_views_write_where_the_layout_promises_and_never_overlap(
         block_bytes=spec.block_bytes,
         virtual_bytes_per_layer=4 * PAGE * spec.num_kv_buffers,
         contiguous=contiguous,
-        reserve_null_block=False,
+        set_aside_null_block=False,
     ) as kv:
         blocks = kv.alloc(kv.available_size())  # back every page so writes land in memory
         assert len(blocks) == kv.num_blocks
-        views = kv.kv_views(spec, torch.float16)
+        views = pool_kv_views(kv, spec, torch.float16)
         region = kv.geometry.bytes_per_layer_per_buffer
         flats = [flat_bytes(t) for t in kv.tensors]
         owners = torch.full((sum(f.numel() for f in flats),), -1, dtype=torch.int64)
@@ -136,7 +144,7 @@ def test_views_write_where_the_layout_promises_and_never_overlap(
 
 def test_views_reject_a_spec_of_another_geometry(pool: KVPool) -> None:
     with pytest.raises(KVCachedConfigError, match="16384-byte blocks"):
-        pool.kv_views(KVCacheSpec(KVLayout.FLASH_ATTN, 16, 1, 32, 2), torch.float16)
+        pool_kv_views(pool, KVCacheSpec(KVLayout.FLASH_ATTN, 16, 1, 32, 2), torch.float16)
 
 
 def _rss_shmem_bytes() -> int:
@@ -153,12 +161,12 @@ def test_resident_memory_follows_demand(shm: Path) -> None:
         block_bytes=spec.block_bytes,
         page_size=256 * KIB,
         virtual_bytes_per_layer=2 * 64 * 256 * KIB,  # 32 MiB per layer
-        max_reserved=2,
+        max_reserve_pages=2,
     ) as kv:
-        views = kv.kv_views(spec, torch.float16)
+        views = pool_kv_views(kv, spec, torch.float16)
         store = kv.backend.store_allocated_bytes
         idle_store, idle_rss = store(), _rss_shmem_bytes()
-        blocks = kv.alloc(40 * kv.manager.blocks_per_page)  # a burst: 40 pages
+        blocks = kv.alloc(40 * kv.ledger.blocks_per_page)  # a burst: 40 pages
         for view in views:  # the engine writes its KV
             for block in blocks:
                 view[:, block].fill_(1.0)
@@ -193,7 +201,7 @@ def test_limit_record_tracks_usage_and_is_removed_on_close(shm: Path) -> None:
 
 def test_the_record_shows_the_reserve_the_refill_thread_maps_on_its_own(shm: Path) -> None:
     # No allocation reports these pages: the limit watcher publishes them within a poll.
-    with make_pool("refill", min_reserved=3, max_reserved=3, prealloc=True) as kv:
+    with make_pool("refill", min_reserve_pages=3, max_reserve_pages=3, prealloc=True) as kv:
         page_all = kv.geometry.page_bytes_all_layers
         deadline = time.monotonic() + 5
         while read_record("refill", shm).reserved_bytes != 3 * page_all:
@@ -208,7 +216,7 @@ def test_kvctl_limit_reaches_the_pool_through_the_watcher(shm: Path) -> None:
         blocks = kv.alloc(20)  # 6 pages with the null block
         assert kvctl_main(["limit", "shared", str(4 * page_all)]) == 0
         deadline = time.monotonic() + 5
-        while kv.manager._pending_resize is None and time.monotonic() < deadline:
+        while kv.ledger._pending_resize is None and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(PoolExhausted):
             kv.alloc(4)  # applies the new limit (4 pages) first: shrink pending
@@ -218,6 +226,49 @@ def test_kvctl_limit_reaches_the_pool_through_the_watcher(shm: Path) -> None:
         assert not kv.snapshot().in_shrink
         assert kv.available_size() == 15
         assert len(kv.alloc(15)) == 15
+
+
+def test_a_truncated_limit_record_is_rewritten_by_its_owner_which_keeps_watching(
+    shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvcached_core.limits")
+    with make_pool("trunc") as kv:
+        page_all = kv.geometry.page_bytes_all_layers
+        blocks = kv.alloc(9)  # 3 pages with the null block
+        assert kvctl_main(["limit", "trunc", str(12 * page_all)]) == 0
+        deadline = time.monotonic() + 5
+        while kv.ledger._pending_resize is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the owner has seen the limit: it is part of its own state now
+        path = record_path("trunc", shm)
+        os.truncate(path, 0)  # another process, or a full /dev/shm
+        more = kv.alloc(2)  # publishing usage meets the corrupt record too
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                record = read_record("trunc", shm)
+                break
+            except CorruptRecordError:
+                assert time.monotonic() < deadline, "the owner never rewrote its record"
+                time.sleep(0.02)
+        assert record.limit_bytes == 12 * page_all
+        assert record.used_bytes == 3 * page_all
+        assert record.capacity_bytes == 16 * page_all
+        assert record.owner_pid == os.getpid() and record.revision >= 2
+        assert path.stat().st_size == len(record.pack())
+        time.sleep(0.3)  # a few more polls: the recovery is reported once, not per poll
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert "trunc" in warnings[0] and "corrupt" in warnings[0] and "rewrote" in warnings[0]
+        # The watcher is alive: a limit set afterwards still reaches the pool.
+        assert kvctl_main(["limit", "trunc", str(2 * page_all)]) == 0
+        deadline = time.monotonic() + 5
+        while (kv.ledger._pending_resize != 2 * kv.blocks_per_page
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        with pytest.raises(PoolExhausted):
+            kv.alloc(4)
+        assert kv.snapshot().in_shrink
+        kv.free(blocks + more)
 
 
 def test_set_limit_and_physical_limit(shm: Path) -> None:
@@ -234,7 +285,7 @@ def test_set_limit_and_physical_limit(shm: Path) -> None:
 def test_blocks_larger_than_a_page_map_together(shm: Path) -> None:
     with make_pool("big", block_bytes=2 * PAGE, virtual_bytes_per_layer=2 * 8 * PAGE) as kv:
         assert kv.geometry.allocator_page_bytes == 2 * PAGE
-        assert kv.manager.blocks_per_page == 1
+        assert kv.ledger.blocks_per_page == 1
         assert kv.available_size() == 3  # 4 blocks minus the null block
         assert kv.alloc(2) == [1, 2]
 
@@ -292,6 +343,53 @@ def test_settings_from_env_reads_every_variable() -> None:
     assert KVCachedSettings.from_env({}) == KVCachedSettings()
 
 
+def test_settings_hold_every_kvcached_variable_read_anywhere() -> None:
+    settings = KVCachedSettings.from_env({
+        "KVCACHED_VIRTUAL_SIZE": "64G",
+        "KVCACHED_POOL_NAME": "llama",
+        "KVCACHED_IPC_TIMEOUT": "2.5",
+        "KVCACHED_SHM_DIR": "/run/kv",
+        "KVCACHED_SCHEDULER_ONLY": "1",
+        "KVCACHED_BUDGET": "gpu0",
+        "KVCACHED_ZERO_PAGE": "read-only",
+    })
+    assert (settings.virtual_size_bytes, settings.pool_name) == (64 << 30, "llama")
+    assert (settings.ipc_timeout_s, settings.shm_dir) == (2.5, "/run/kv")
+    assert settings.scheduler_only and settings.budget == "gpu0"
+    assert settings.zero_page_writable is False
+    defaults = KVCachedSettings()
+    assert (defaults.virtual_size_bytes, defaults.pool_name) == (None, None)
+    assert (defaults.ipc_timeout_s, defaults.shm_dir, defaults.scheduler_only) == (
+        60.0, "/dev/shm", False)
+
+
+def test_current_settings_follow_the_environment_and_parse_once_per_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcached_core import settings as settings_module
+
+    parses: list[int] = []
+    original = KVCachedSettings.from_env.__func__  # type: ignore[attr-defined]
+
+    def counting_from_env(cls: type[KVCachedSettings], environ: Any = None) -> KVCachedSettings:
+        parses.append(1)
+        return original(cls, environ)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(KVCachedSettings, "from_env", classmethod(counting_from_env))
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", "4M")
+    first = settings_module.current_settings()
+    assert first.page_size == 4 * MIB
+    assert settings_module.current_settings() is first  # unchanged environment: no parse
+    monkeypatch.setenv("UNRELATED_VARIABLE", "x")
+    assert settings_module.current_settings() is first
+    assert len(parses) == 1
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", "8M")  # a test or launcher changes a setting
+    assert settings_module.current_settings().page_size == 8 * MIB
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", "3000")
+    with pytest.raises(KVCachedConfigError, match="KVCACHED_PAGE_SIZE"):
+        settings_module.current_settings()
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -304,6 +402,9 @@ def test_settings_from_env_reads_every_variable() -> None:
         ("KVCACHED_MAX_RESERVED_PAGES", "1"),
         ("KVCACHED_PHYSICAL_LIMIT", "2X"),
         ("KVCACHED_MAX_CACHED_TOKENS", "1e3"),
+        ("KVCACHED_VIRTUAL_SIZE", "big"),
+        ("KVCACHED_IPC_TIMEOUT", "0"),
+        ("KVCACHED_SCHEDULER_ONLY", "perhaps"),
     ],
 )
 def test_settings_errors_name_the_variable(name: str, value: str) -> None:
@@ -317,15 +418,12 @@ def test_settings_errors_name_the_variable(name: str, value: str) -> None:
 
 def test_pool_from_settings(shm: Path) -> None:
     settings = KVCachedSettings(page_size=PAGE, min_reserved_pages=0, max_reserved_pages=1)
-    with KVPool.from_settings(
-        "fs",
-        settings,
-        num_layers=1,
-        num_kv_buffers=2,
-        block_bytes=16 * KIB,
-        virtual_bytes_per_layer=2 * 4 * PAGE,
-        metrics_registry=CollectorRegistry(),
-    ) as kv:
+    spec = PoolSpec.from_settings(settings, num_layers=1, num_kv_buffers=2,
+                                  block_bytes=16 * KIB, virtual_bytes_per_layer=2 * 4 * PAGE)
+    assert (spec.page_size, spec.contiguous) == (PAGE, False)
+    policy = PoolPolicy.from_settings(settings)
+    assert (policy.min_reserve_pages, policy.max_reserve_pages) == (0, 1)
+    with KVPool.create("fs", spec, policy, metrics_registry=CollectorRegistry()) as kv:
         assert kv.available_size() == 15
 
 
@@ -335,9 +433,10 @@ def test_pool_from_settings_joins_the_budget_named_in_the_settings(shm: Path) ->
     set_budget("fs-budget", 2 * 2 * PAGE)  # two logical pages of one layer, two buffers
     settings = KVCachedSettings(page_size=PAGE, min_reserved_pages=0, max_reserved_pages=0,
                                 prealloc=False, budget="fs-budget")
-    with KVPool.from_settings("fs-b", settings, num_layers=1, num_kv_buffers=2,
-                              block_bytes=16 * KIB, virtual_bytes_per_layer=2 * 4 * PAGE,
-                              metrics_registry=CollectorRegistry()) as kv:
+    spec = PoolSpec.from_settings(settings, num_layers=1, num_kv_buffers=2,
+                                  block_bytes=16 * KIB, virtual_bytes_per_layer=2 * 4 * PAGE)
+    with KVPool.create("fs-b", spec, PoolPolicy.from_settings(settings),
+                       metrics_registry=CollectorRegistry()) as kv:
         # The null block's page is charged; one more page fits, the third is refused.
         assert read_budget("fs-budget").charged_bytes == 2 * PAGE
         taken: list[int] = []
@@ -353,7 +452,7 @@ def test_a_pool_no_larger_than_its_reserve_starts_while_the_refill_runs(shm: Pat
     """The refill thread may hold every page at start; the null block must wait for it."""
     for attempt in range(40):
         made = make_pool(f"small-{attempt}", virtual_bytes_per_layer=2 * 4 * PAGE,
-                         min_reserved=5, max_reserved=5, prealloc=True)
+                         min_reserve_pages=5, max_reserve_pages=5, prealloc=True)
         try:
             assert made.null_block_id == 0
             blocks = made.alloc(made.available_size())

@@ -31,6 +31,7 @@ from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.kvctl import main as kvctl_main
 from kvcached_core.pool import KVPool
 from kvcached_core.settings import KVCachedSettings
+from tests.unit.pool_factory import create_pool
 
 KIB = 1024
 MIB = 1 << 20
@@ -54,13 +55,13 @@ def make_pool(name: str, budget: str | None, **options: Any) -> KVPool:
         "block_bytes": 16 * KIB,
         "virtual_bytes_per_layer": 2 * 32 * PAGE,
         "page_size": PAGE,
-        "min_reserved": 0,
-        "max_reserved": 1,
+        "min_reserve_pages": 0,
+        "max_reserve_pages": 1,
         "metrics_registry": CollectorRegistry(),
         "budget": budget,
     }
     settings.update(options)
-    return KVPool.create(name, **settings)
+    return create_pool(name, **settings)
 
 
 def kvctl(*argv: str) -> tuple[int, str]:
@@ -86,14 +87,13 @@ _CHURN = textwrap.dedent(
     import json, random, sys, time
     from prometheus_client import CollectorRegistry
     from kvcached_core.errors import PoolExhausted
-    from kvcached_core.pool import KVPool
+    from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 
     name, budget, seconds, seed = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
     page = 64 * 1024
-    pool = KVPool.create(name, num_layers=2, num_kv_buffers=2, block_bytes=16 * 1024,
-                         virtual_bytes_per_layer=2 * 32 * page, page_size=page,
-                         min_reserved=0, max_reserved=1, metrics_registry=CollectorRegistry(),
-                         budget=budget)
+    pool = KVPool.create(name, PoolSpec(2, 2, 16 * 1024, 2 * 32 * page, page),
+                         PoolPolicy(min_reserve_pages=0, max_reserve_pages=1, budget=budget),
+                         metrics_registry=CollectorRegistry())
     rng = random.Random(seed)
     held, refused, granted, peak = [], 0, 0, 0
     print("ready", flush=True)
@@ -123,13 +123,12 @@ _HOLD = textwrap.dedent(
     """
     import sys, time
     from prometheus_client import CollectorRegistry
-    from kvcached_core.pool import KVPool
+    from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 
     page = 64 * 1024
-    pool = KVPool.create(sys.argv[1], num_layers=2, num_kv_buffers=2, block_bytes=16 * 1024,
-                         virtual_bytes_per_layer=2 * 32 * page, page_size=page,
-                         min_reserved=0, max_reserved=1, metrics_registry=CollectorRegistry(),
-                         budget=sys.argv[2])
+    pool = KVPool.create(sys.argv[1], PoolSpec(2, 2, 16 * 1024, 2 * 32 * page, page),
+                         PoolPolicy(min_reserve_pages=0, max_reserve_pages=1, budget=sys.argv[2]),
+                         metrics_registry=CollectorRegistry())
     blocks = pool.alloc(4 * int(sys.argv[3]))
     print(pool.mapped_bytes(), flush=True)
     time.sleep(600)

@@ -19,14 +19,15 @@ from kvcached_core.integration.vllm.config import vllm_zero_page_writable
 from kvcached_core.native import as_tensor
 from kvcached_core.pool import KVPool
 from kvcached_core.settings import KVCachedSettings
+from tests.unit.pool_factory import create_pool
 
 PAGE = 4096
 
 
 def _pool(writable: bool) -> KVPool:
-    return KVPool.create("zero-page-test", num_layers=2, num_kv_buffers=1, block_bytes=PAGE,
-                         virtual_bytes_per_layer=4 * PAGE, page_size=PAGE, min_reserved=0,
-                         max_reserved=0, prealloc=False, share_limits=False,
+    return create_pool("zero-page-test", num_layers=2, num_kv_buffers=1, block_bytes=PAGE,
+                         virtual_bytes_per_layer=4 * PAGE, page_size=PAGE, min_reserve_pages=0,
+                         max_reserve_pages=0, prealloc=False, share_limits=False,
                          export_metrics=False, zero_page_writable=writable)
 
 
@@ -51,11 +52,10 @@ def test_a_read_only_zero_page_faults_on_a_write() -> None:
     script = textwrap.dedent("""
         import torch
         from kvcached_core.native import as_tensor
-        from kvcached_core.pool import KVPool
-        pool = KVPool.create("zero-page-ro", num_layers=1, num_kv_buffers=1, block_bytes=4096,
-                             virtual_bytes_per_layer=4 * 4096, page_size=4096, min_reserved=0,
-                             max_reserved=0, prealloc=False, share_limits=False,
-                             export_metrics=False)
+        from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
+        pool = KVPool.create("zero-page-ro", PoolSpec(1, 1, 4096, 4 * 4096, 4096),
+                             PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False),
+                             share_limits=False, export_metrics=False)
         assert pool.backend.zero_page_read_only
         layer = as_tensor(pool.tensors[0], torch.uint8, (4 * 4096,))
         assert int(layer[3 * 4096:].max()) == 0  # reads of unbacked pages are zeros

@@ -24,7 +24,6 @@ from kvcached_core.integration.sglang.pools import kvcached_pool_of, refuse_unle
 if TYPE_CHECKING:
     import torch
 
-    from kvcached_core.manager import KVCacheManager
     from kvcached_core.pool import KVPool
 
 
@@ -33,10 +32,9 @@ class _ElasticLedger:
 
     def __init__(self, pool: KVPool, num_pages: int) -> None:
         self.pool = pool
-        self.manager: KVCacheManager = pool.manager
         if pool.null_block_id != 0:
-            raise KVCachedConfigError("kvcached: the SGLang pool must reserve block 0")
-        ledger_blocks = pool.manager.num_blocks
+            raise KVCachedConfigError("kvcached: the SGLang pool must set block 0 aside")
+        ledger_blocks = pool.num_blocks
         if num_pages + 1 > ledger_blocks:
             raise KVCachedConfigError(
                 f"kvcached: the allocator wants {num_pages} pages but its KV pool holds "
@@ -53,9 +51,9 @@ class _ElasticLedger:
             return []
         if count > self.num_pages - self.held:
             return None
-        manager = self.manager
+        pool = self.pool
         try:
-            ids = manager.alloc(count)
+            ids = pool.alloc(count)
         except PoolExhausted:
             return None
         limit = self.limit
@@ -63,9 +61,9 @@ class _ElasticLedger:
             usable = [i for i in ids if i < limit]
             self.parked += [i for i in ids if i >= limit]
             try:
-                more = manager.alloc(count - len(usable))
+                more = pool.alloc(count - len(usable))
             except PoolExhausted:
-                manager.free(usable)
+                pool.free(usable)
                 return None
             ids = usable + more
         self.held += count
@@ -74,14 +72,14 @@ class _ElasticLedger:
     def give_back(self, ids: list[int]) -> None:
         if not ids:
             return
-        self.manager.free(ids)
+        self.pool.free(ids)
         self.held -= len(ids)
         if self.held == 0 and self.parked:
             parked, self.parked = self.parked, []
-            self.manager.free(parked)
+            self.pool.free(parked)
 
     def reset(self) -> None:
-        self.manager.clear()
+        self.pool.clear()
         self.held = 0
         self.parked = []
 
@@ -109,10 +107,10 @@ class _ElasticAllocatorCommon:
             ledger = _ElasticLedger(kvcached_pool_of(allocator._kvcache), num_pages)
             self._kvcached = ledger
         else:
-            if num_pages + 1 > ledger.manager.num_blocks:
+            if num_pages + 1 > ledger.pool.num_blocks:
                 raise KVCachedConfigError(
                     f"kvcached: cannot resize the allocator to {num_pages} pages; its KV "
-                    f"pool was reserved for {ledger.manager.num_blocks - 1}"
+                    f"pool holds {ledger.pool.num_blocks - 1}"
                 )
             ledger.num_pages = num_pages
             ledger.limit = num_pages + 1

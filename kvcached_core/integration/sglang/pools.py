@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.sglang.switch import sglang_settings
 from kvcached_core.native import as_tensor
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import BackendKind, KVPool, PoolPolicy, PoolSpec
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ def _ceil_to(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
-def _backend_of(device: str) -> tuple[str, int]:
+def _backend_of(device: str) -> tuple[BackendKind, int]:
     if device.startswith("cuda"):
         _, _, index = device.partition(":")
         if index:
@@ -70,14 +70,13 @@ def create_kv_pool(
     unit = max(settings.page_size, block_bytes)
     region_bytes = _ceil_to(rows * token_bytes, unit)
     backend, index = _backend_of(device)
-    pool = KVPool.from_settings(
+    pool = KVPool.create(
         f"sglang-{kind}-{os.getpid()}-{next(_pool_numbers)}",
-        settings,
-        num_layers=num_layers,
-        num_kv_buffers=num_buffers,
-        block_bytes=block_bytes,
-        virtual_bytes_per_layer=region_bytes * num_buffers,
-        backend=backend,  # type: ignore[arg-type]
+        PoolSpec.from_settings(settings, num_layers=num_layers, num_kv_buffers=num_buffers,
+                               block_bytes=block_bytes,
+                               virtual_bytes_per_layer=region_bytes * num_buffers),
+        PoolPolicy.from_settings(settings),
+        backend=backend,
         device=index,
         export_metrics=False,
     )

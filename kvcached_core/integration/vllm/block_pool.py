@@ -22,12 +22,14 @@ engine calls it: an override no older engine ever reaches.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvcached_core.errors import PoolExhausted
+from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.integration.vllm import pools, workers
 from kvcached_core.integration.vllm.config import engine_settings, pool_name
+from kvcached_core.ledger import LedgerSnapshot
 
 
 class ElasticBlockPoolMixin:
@@ -42,9 +44,24 @@ class ElasticBlockPoolMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         settings = engine_settings()
-        engine_pool = workers.scheduler_pool(pool_name())
-        if engine_pool is None or engine_pool.attached:
+        name = pool_name()
+        engine_pool = workers.scheduler_pool(name)
+        if engine_pool is None and settings.scheduler_only:
             engine_pool = pools.private_pool(self.num_gpu_blocks, settings)
+        elif engine_pool is None:
+            raise KVCachedConfigError(
+                f"kvcached: elastic KV cache is on (KVCACHED_ENABLE=1) but no VMM-backed KV "
+                f"pool {name!r} exists for this scheduler: the model runner's KV buffers were "
+                "not allocated by kvcached (a model runner or KV layout this build does not "
+                "cover). Set KVCACHED_ENABLE=0 for the stock KV cache; a process that runs a "
+                "scheduler with no KV buffers at all (planning, scheduler tests) sets "
+                "KVCACHED_SCHEDULER_ONLY=1."
+            )
+        elif engine_pool.attached:
+            raise KVCachedConfigError(
+                f"kvcached: KV pool {name!r} already backs another block pool in this "
+                "process; set KVCACHED_POOL_NAME per engine or KVCACHED_ENABLE=0"
+            )
         elif engine_pool.num_blocks < self.num_gpu_blocks:
             raise ValueError(
                 f"kvcached pool {engine_pool.name!r} backs {engine_pool.num_blocks} blocks, "
@@ -74,6 +91,8 @@ class ElasticBlockPoolMixin:
         # True while the last trim left the free-but-mapped blocks over the cap with no held
         # page idle: only a block freed since can make a page evictable again.
         self._kv_trim_exhausted = False
+        # Release markers of the engine steps whose batches may still read retired pages.
+        self._kv_release_markers: deque[int] = deque()
         null_page = engine_pool.pool.null_block_id
         if null_page != 0:
             raise ValueError(f"kvcached pool must hold the null block on page 0, got {null_page}")
@@ -146,7 +165,7 @@ class ElasticBlockPoolMixin:
         parked_count, self._kv_parked_count = self._kv_parked_count, 0
         self._kv_logical_view = True
         try:
-            return super().get_new_blocks(num_blocks)  # type: ignore[misc,no-any-return]
+            return super().get_new_blocks(num_blocks)  # type: ignore[misc]
         finally:
             self.free_block_queue = queue
             self._kv_parked_count = parked_count
@@ -252,7 +271,27 @@ class ElasticBlockPoolMixin:
         self._kv_trim_exhausted = self._held_free_blocks() * block_tokens > cap_tokens
         return trimmed
 
-    def kv_snapshot(self) -> Any:
+    def end_step(self, *, block_tokens: int, lag: int, is_drained: Callable[[], bool]) -> int:
+        """The engine finished a step: give idle pages back. Returns the pages given back.
+
+        Pages freed during this step are retired now and unmapped once `lag` more steps have
+        ended (0: at once; the batches still in flight might read them until then, see
+        `engine.released_after_step`). When the engine has drained (`is_drained()`, asked
+        only while warm reserve pages exist), the reserve is unmapped too: reserve pages hold
+        no block, so no queued batch can read them, and the next allocation refills it.
+        """
+        released = self.release_idle_pages(block_tokens)
+        pool = self._kv.pool
+        markers = self._kv_release_markers
+        markers.append(pool.capture_release_marker())
+        while len(markers) > lag:
+            pool.release_retired_through(markers.popleft())
+        if pool.reserve_pages and is_drained():
+            pool.trim()
+        return released
+
+    def kv_snapshot(self) -> LedgerSnapshot:
+        """The ledger's figures (pages in use, reserve, limit, counters) for reporting."""
         return self._kv.pool.snapshot()
 
 

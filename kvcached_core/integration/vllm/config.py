@@ -1,7 +1,8 @@
-"""Which elastic mode a patched vLLM runs in, read from `KVCACHED_*` settings.
+"""Which elastic mode a patched vLLM runs in: its view of `kvcached_core.settings`.
 
-A patched wheel is elastic unless `KVCACHED_ENABLE=0`; every other knob is a kvcached setting
-(`kvcached_core.settings`), plus the virtual KV size, which only vLLM's sizing needs.
+A patched wheel is elastic unless `KVCACHED_ENABLE=0`. Every value comes from the process's
+settings (`settings.current_settings()`, one parse per distinct `KVCACHED_*` environment);
+this module only adds vLLM's defaults.
 """
 
 from __future__ import annotations
@@ -9,32 +10,21 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.settings import KVCachedSettings, parse_size
-
-VIRTUAL_SIZE_ENV = "KVCACHED_VIRTUAL_SIZE"
-POOL_NAME_ENV = "KVCACHED_POOL_NAME"
+from kvcached_core.settings import KVCachedSettings, current_settings
 
 
 def engine_settings(environ: Mapping[str, str] | None = None) -> KVCachedSettings:
     """The settings of a patched engine: elastic unless `KVCACHED_ENABLE=0`."""
-    return KVCachedSettings.from_env(os.environ if environ is None else environ)
+    return current_settings(environ)
 
 
 def elastic_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    return engine_settings(environ).enabled
+    return current_settings(environ).enabled
 
 
 def virtual_kv_bytes(environ: Mapping[str, str] | None = None) -> int | None:
     """`KVCACHED_VIRTUAL_SIZE`: address space for the KV cache of all layers (None: vLLM's)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(VIRTUAL_SIZE_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        return parse_size(raw)
-    except ValueError as exc:
-        raise KVCachedConfigError(f"{VIRTUAL_SIZE_ENV}: {exc}") from None
+    return current_settings(environ).virtual_size_bytes
 
 
 def vllm_zero_page_writable(settings: KVCachedSettings) -> bool:
@@ -50,5 +40,4 @@ def vllm_zero_page_writable(settings: KVCachedSettings) -> bool:
 
 def pool_name(environ: Mapping[str, str] | None = None) -> str:
     """Name of this engine's pool (its shared limit record): `KVCACHED_POOL_NAME` or vllm-<pid>."""
-    env = os.environ if environ is None else environ
-    return env.get(POOL_NAME_ENV, "").strip() or f"vllm-{os.getpid()}"
+    return current_settings(environ).pool_name or f"vllm-{os.getpid()}"

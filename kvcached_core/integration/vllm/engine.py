@@ -7,7 +7,7 @@ between vLLM versions is passed in by that call site.
 from __future__ import annotations
 
 import functools
-from collections import deque
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -90,13 +90,6 @@ def _scheduler_block_pool(core: Any) -> ElasticBlockPoolMixin | None:
     return block_pool if isinstance(block_pool, ElasticBlockPoolMixin) else None
 
 
-class _ReleaseEpochs:
-    """Release markers of one engine: pages go back once no queued batch may read them."""
-
-    def __init__(self) -> None:
-        self.markers: deque[int] = deque()
-
-
 def released_after_step(*, pipelined: bool) -> Callable[[F], F]:
     """Decorate EngineCore.step / step_with_batch_queue: after each step give idle pages back.
 
@@ -104,7 +97,7 @@ def released_after_step(*, pipelined: bool) -> Callable[[F], F]:
     then has finished: at once after a synchronous step, after `batch_queue_size` more steps
     when batches are queued.
 
-    Why that is enough with worker processes (the mp executor; spec 7.9, release barrier):
+    Why that is enough with worker processes (the mp executor; docs/runtime.md#worker-processes):
     - `step` returns only after the executor handed back the batch's output. Only one rank
       sends it, but every layer's attention on every rank is followed by a tensor-parallel
       all-reduce that rank waits for (and pipeline stages hand activations on in order), so
@@ -136,22 +129,15 @@ def released_after_step(*, pipelined: bool) -> Callable[[F], F]:
 
 
 def on_step_end(core: Any, block_pool: ElasticBlockPoolMixin, lag: int) -> None:
-    epochs: _ReleaseEpochs | None = getattr(core, "_kvcached_epochs", None)
-    if epochs is None:
-        epochs = _ReleaseEpochs()
-        core._kvcached_epochs = epochs
-    block_pool.release_idle_pages(int(core.scheduler.block_size))
-    pool = block_pool._kv.pool
-    epochs.markers.append(pool.capture_release_marker())
-    while len(epochs.markers) > lag:
-        pool.release_retired_through(epochs.markers.popleft())
-    if pool.page_allocator.num_reserved and not core.scheduler.has_unfinished_requests():
-        # The engine has drained: an idle engine keeps no spare pages. Reserve pages hold no
-        # block, so no queued batch can read them; the next allocation refills the reserve.
-        pool.trim()
+    scheduler = core.scheduler
+    block_pool.end_step(block_tokens=int(scheduler.block_size), lag=lag,
+                        is_drained=lambda: not scheduler.has_unfinished_requests())
 
 
-_DICTS_KEY = "_kvcached_request_dicts"
+# Per single-type manager (vLLM's object, so nothing is written onto it): the size of its
+# __dict__ when its request-keyed dicts were last found, and their names.
+_request_dicts: weakref.WeakKeyDictionary[Any, tuple[int, tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def _request_keyed_dicts(manager: Any) -> tuple[str, ...]:
@@ -160,13 +146,12 @@ def _request_keyed_dicts(manager: Any) -> tuple[str, ...]:
     records, ...), so no version needs to know their names. Found per manager and found again
     when the manager gained attributes (some are created lazily)."""
     attributes = manager.__dict__
-    cached: tuple[int, tuple[str, ...]] | None = attributes.get(_DICTS_KEY)
+    cached = _request_dicts.get(manager)
     if cached is None or cached[0] != len(attributes):
-        attributes.setdefault(_DICTS_KEY, None)  # counted below like any attribute
         names = tuple(sorted(name for name, value in attributes.items()
                              if isinstance(value, dict) and name != "req_to_blocks"))
         cached = (len(attributes), names)
-        attributes[_DICTS_KEY] = cached
+        _request_dicts[manager] = cached
     return cached[1]
 
 

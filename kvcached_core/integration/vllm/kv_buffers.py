@@ -32,21 +32,21 @@ from kvcached_core.integration.vllm.config import (
     vllm_zero_page_writable,
 )
 from kvcached_core.native import as_tensor
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import BackendKind, KVPool, PoolPolicy, PoolSpec
 
 Zeros = Callable[..., Any]
 ShapeOf = Callable[..., Sequence[int]]
 StrideOrderOf = Callable[[], Sequence[int]]
 #: One attention group as a zeros site passes it: its layer names, the backend's
 #: `get_kv_cache_shape` and `get_kv_cache_stride_order`.
-KVLayout = tuple[Sequence[str], ShapeOf, StrideOrderOf]
+KVBufferLayout = tuple[Sequence[str], ShapeOf, StrideOrderOf]
 logger = logging.getLogger(__name__)
 
 # A number of blocks no other dimension of a KV shape takes, to find the block dimension.
 _PROBE_BLOCKS = 1_234_577
 
 
-def _backend_of(device: Any) -> tuple[str, int]:
+def _backend_of(device: Any) -> tuple[BackendKind, int]:
     kind = getattr(device, "type", str(device).split(":")[0])
     if kind == "cpu":
         return "host", 0
@@ -89,21 +89,11 @@ def _create_pool(device: Any, *, num_tensors: int, regions: int, region_bytes: i
         return served
     pool = KVPool.create(
         name,
-        backend=backend,  # type: ignore[arg-type]
+        PoolSpec(num_tensors, regions, ledger_unit, regions * region_bytes, page, contiguous),
+        PoolPolicy.from_settings(settings, defer_physical_release=True,
+                                 zero_page_writable=vllm_zero_page_writable(settings)),
+        backend=backend,
         device=index,
-        num_layers=num_tensors,
-        num_kv_buffers=regions,
-        block_bytes=ledger_unit,
-        virtual_bytes_per_layer=regions * region_bytes,
-        page_size=page,
-        contiguous=contiguous,
-        min_reserved=settings.min_reserved_pages,
-        max_reserved=settings.max_reserved_pages,
-        prealloc=settings.prealloc,
-        physical_limit_bytes=settings.physical_limit_bytes,
-        defer_physical_release=True,
-        budget=settings.budget,
-        zero_page_writable=vllm_zero_page_writable(settings),
     )
     engine_pool = pools.EnginePool(name, pool, ledger_unit // unit_bytes,
                                    region_bytes // unit_bytes)
@@ -169,7 +159,8 @@ def _whole_pages(region_bytes: int, unit_bytes: int) -> int:
     return -(-region_bytes // ledger_unit) * ledger_unit
 
 
-def _regions_of_tensor(kv_cache_tensor: Any, spec: Any, kv_layouts: Sequence[KVLayout]) -> int:
+def _regions_of_tensor(kv_cache_tensor: Any, spec: Any,
+                       kv_layouts: Sequence[KVBufferLayout]) -> int:
     layer_names = set(kv_cache_tensor.shared_by)
     counts = {
         planes_outside_blocks(shape_of, stride_order_of, block_size=int(spec.block_size),
@@ -188,7 +179,7 @@ def _regions_of_tensor(kv_cache_tensor: Any, spec: Any, kv_layouts: Sequence[KVL
 
 def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                      kv_cache_config: Any, kv_cache_tensor: Any, block_stride: int,
-                     kv_layouts: Sequence[KVLayout]) -> Any:
+                     kv_layouts: Sequence[KVBufferLayout]) -> Any:
     """The raw buffer of one KVCacheTensor, or the packed backing of all of them (vLLM 0.24 -
     0.28: V1 `_allocate_kv_cache_tensors`, Model Runner V2 `_allocate_kv_cache`).
 

@@ -4,9 +4,10 @@ When scheduler and worker run in one process (the uni executor), the worker crea
 while allocating its KV buffers and the scheduler's block pool attaches to it by name. When the
 workers live in other processes (the mp executor), each worker registers the pool of its own
 tensors and serves it on its rank's socket, and the scheduler registers a pool with no tensors
-that maps through every rank (`workers.py`). A scheduler built with no worker in the process
-(vLLM's own unit tests, offline planning) gets a private host pool with the same number of
-blocks, so it runs the same elastic code paths.
+that maps through every rank (`workers.py`). A process declared to run a scheduler only
+(`KVCACHED_SCHEDULER_ONLY=1`: vLLM's own scheduler tests, offline planning) gets a private host
+pool with the same number of blocks, so it runs the same elastic code paths; otherwise a
+scheduler with no pool refuses to start (its KV buffers would not be VMM-backed).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from kvcached_core.settings import KVCachedSettings
 
 # A private pool's vLLM block is this many bytes of a 4 KiB host page: one page then holds
@@ -98,21 +99,14 @@ atexit.register(close_all)
 
 
 def private_pool(num_blocks: int, settings: KVCachedSettings) -> EnginePool:
-    """A host pool for a scheduler with no worker in the process (never registered)."""
+    """A host pool for a scheduler-only process (`KVCACHED_SCHEDULER_ONLY=1`; never registered)."""
     blocks_per_page = _PRIVATE_PAGE_BYTES // _PRIVATE_BLOCK_BYTES
     pages = -(-num_blocks // blocks_per_page)
     pool = KVPool.create(
         "vllm-scheduler",
-        backend="host",
-        num_layers=1,
-        num_kv_buffers=1,
-        block_bytes=_PRIVATE_PAGE_BYTES,
-        virtual_bytes_per_layer=pages * _PRIVATE_PAGE_BYTES,
-        page_size=_PRIVATE_PAGE_BYTES,
-        min_reserved=0,
-        max_reserved=0,
-        prealloc=False,
-        physical_limit_bytes=settings.physical_limit_bytes,
+        PoolSpec(1, 1, _PRIVATE_PAGE_BYTES, pages * _PRIVATE_PAGE_BYTES, _PRIVATE_PAGE_BYTES),
+        PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
+                   physical_limit_bytes=settings.physical_limit_bytes),
         share_limits=False,
         export_metrics=False,
     )

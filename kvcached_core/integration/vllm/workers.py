@@ -39,15 +39,12 @@ from typing import Any
 
 from kvcached_core.errors import KVCachedConfigError, KVCachedError
 from kvcached_core.integration.vllm import pools
-from kvcached_core.integration.vllm.config import (
-    POOL_NAME_ENV,
-    engine_settings,
-    vllm_zero_page_writable,
-)
+from kvcached_core.integration.vllm.config import engine_settings, vllm_zero_page_writable
 from kvcached_core.ipc import BroadcastMapper, WorkerListener, default_socket_root, worker_address
 from kvcached_core.ipc.paths import ensure_private_dir, job_addresses
 from kvcached_core.limits import pid_alive
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import BackendKind, KVPool, PoolPolicy, PoolSpec
+from kvcached_core.settings import current_settings
 
 logger = logging.getLogger(__name__)
 
@@ -224,11 +221,7 @@ def attach_job(job: JobDescription) -> pools.EnginePool:
             job.pool,
             mapper,
             page_bytes=geometry.page_bytes,
-            min_reserved=settings.min_reserved_pages,
-            max_reserved=settings.max_reserved_pages,
-            prealloc=settings.prealloc,
-            physical_limit_bytes=settings.physical_limit_bytes,
-            defer_physical_release=True,
+            policy=PoolPolicy.from_settings(settings, defer_physical_release=True),
         )
     except BaseException:
         mapper.close()
@@ -290,8 +283,7 @@ def ancestors(pid: int | None = None) -> list[int]:
 
 def find_job(environ: Mapping[str, str] | None = None) -> JobDescription | None:
     """The job announced by an ancestor of this process (the engine that started it), if any."""
-    env = os.environ if environ is None else environ
-    fixed_name = env.get(POOL_NAME_ENV, "").strip()
+    fixed_name = current_settings(environ).pool_name
     for pid in ancestors():
         job = read_job(job_root(fixed_name or f"vllm-{pid}"))
         if job is not None and job.coordinator_pid == pid:
@@ -323,7 +315,7 @@ def _geometry_path(socket_path: Path) -> Path:
 def served_pool(
     name: str,
     *,
-    backend: str,
+    backend: BackendKind,
     device: int,
     num_tensors: int,
     regions: int,
@@ -353,22 +345,16 @@ def served_pool(
     # Tensors only: the scheduler's pool decides which pages are mapped, through the listener.
     pool = KVPool.create(
         name,
-        backend=backend,  # type: ignore[arg-type]
+        PoolSpec(num_tensors, regions, ledger_unit, regions * region_bytes, settings.page_size,
+                 contiguous),
+        # The physical pages are created here, so they are charged to the budget here.
+        PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
+                   set_aside_null_block=False, budget=settings.budget,
+                   zero_page_writable=vllm_zero_page_writable(settings)),
+        backend=backend,
         device=device,
-        num_layers=num_tensors,
-        num_kv_buffers=regions,
-        block_bytes=ledger_unit,
-        virtual_bytes_per_layer=regions * region_bytes,
-        page_size=settings.page_size,
-        contiguous=contiguous,
-        min_reserved=0,
-        max_reserved=0,
-        prealloc=False,
-        reserve_null_block=False,
         share_limits=False,
         export_metrics=False,
-        budget=settings.budget,  # the physical pages are created here, so they are charged here
-        zero_page_writable=vllm_zero_page_writable(settings),
     )
     address = worker_address(job.root, rank, pp_rank)
     resident = pool.backend.committed_bytes if backend == "host" else None

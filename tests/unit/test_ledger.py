@@ -1,4 +1,4 @@
-"""KVCacheManager on the real native page allocator (host backend, small pages)."""
+"""BlockLedger on the real native page allocator (host backend, small pages)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from kvcached_core import _C
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted, StateConsistencyError
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.ledger import BlockLedger
 
 KIB = 1024
 PAGE = 64 * KIB
@@ -46,8 +46,8 @@ def native() -> Iterator[Native]:
     made.pages.stop()
 
 
-def manager_for(native: Native, block_bytes: int = 16 * KIB, **options: Any) -> KVCacheManager:
-    return KVCacheManager(native.pages, block_bytes, PAGE, **options)
+def manager_for(native: Native, block_bytes: int = 16 * KIB, **options: Any) -> BlockLedger:
+    return BlockLedger(native.pages, block_bytes, PAGE, **options)
 
 
 def test_null_block_is_block_zero_and_never_handed_out(native: Native) -> None:
@@ -63,14 +63,14 @@ def test_null_block_is_block_zero_and_never_handed_out(native: Native) -> None:
 
 
 def test_alloc_takes_lowest_ids_and_fills_partial_pages_first(native: Native) -> None:
-    manager = manager_for(native, reserve_null_block=False)
+    manager = manager_for(native, set_aside_null_block=False)
     assert manager.alloc(3) == [0, 1, 2]
     assert manager.alloc(2) == [3, 4]  # the last block of page 0, then a new page
     assert manager.page_occupancy() == {0: 4, 1: 1}
 
 
 def test_best_fit_picks_the_smallest_partial_page_that_holds_the_run(native: Native) -> None:
-    manager = manager_for(native, reserve_null_block=False)
+    manager = manager_for(native, set_aside_null_block=False)
     blocks = manager.alloc(12)  # pages 0, 1, 2 full
     manager.free([0, 1, 2])  # page 0: 3 free
     manager.free([4])  # page 1: 1 free
@@ -83,7 +83,7 @@ def test_best_fit_picks_the_smallest_partial_page_that_holds_the_run(native: Nat
 
 
 def test_free_of_an_empty_page_returns_it_to_the_allocator(native: Native) -> None:
-    manager = manager_for(native, reserve_null_block=False)
+    manager = manager_for(native, set_aside_null_block=False)
     blocks = manager.alloc(8)
     assert native.pages.num_in_use == 2
     manager.free(blocks[4:])
@@ -123,7 +123,7 @@ def test_each_kind_of_bad_free_is_refused(native: Native, bad: list[int]) -> Non
 def test_pool_exhausted_leaves_the_ledger_unchanged(native: Native) -> None:
     manager = manager_for(native)
     manager.alloc(5)
-    manager.try_to_reserve(2)
+    manager.try_to_set_aside(2)
     before = (manager.page_occupancy(), manager.available_size(), native.pages.num_in_use)
     with pytest.raises(PoolExhausted, match="requested 100 blocks"):
         manager.alloc(100)
@@ -134,13 +134,13 @@ def test_physical_exhaustion_rolls_back_everything() -> None:
     # The backend may commit only 3 pages (2 layers x 2 buffers each): the 4th map fails.
     made = make_native(memory_limit=3 * 4 * PAGE)
     try:
-        manager = KVCacheManager(made.pages, 16 * KIB, PAGE)
+        manager = BlockLedger(made.pages, 16 * KIB, PAGE)
         first = manager.alloc(8)
-        manager.try_to_reserve(2)
-        before = (manager.page_occupancy(), manager.num_used_blocks, manager.num_reserved_blocks)
+        manager.try_to_set_aside(2)
+        before = (manager.page_occupancy(), manager.num_used_blocks, manager.num_set_aside_blocks)
         with pytest.raises(PoolExhausted):
             manager.alloc(8)  # 2 reserved + 1 partial + needs 2 new pages, 1 is physical
-        after = (manager.page_occupancy(), manager.num_used_blocks, manager.num_reserved_blocks)
+        after = (manager.page_occupancy(), manager.num_used_blocks, manager.num_set_aside_blocks)
         assert after == before
         assert made.pages.num_in_use == 3
         manager.free(first)
@@ -161,7 +161,7 @@ def test_injected_map_failure_is_pool_exhausted_with_nothing_changed(native: Nat
 
 
 def test_injected_unmap_failure_makes_the_pool_refuse(native: Native) -> None:
-    manager = manager_for(native, reserve_null_block=False)
+    manager = manager_for(native, set_aside_null_block=False)
     native.pages.trim()
     blocks = manager.alloc(4 * 4)
     native.backend.inject_failure("unmap", 1, False)
@@ -174,20 +174,20 @@ def test_injected_unmap_failure_makes_the_pool_refuse(native: Native) -> None:
 def test_try_to_reserve_and_free_reserved(native: Native) -> None:
     manager = manager_for(native)
     total = manager.available_size()
-    assert manager.try_to_reserve(5)
+    assert manager.try_to_set_aside(5)
     assert manager.available_size() == total  # set-aside blocks still count as available
-    assert manager.num_reserved_blocks == 6  # five plus the null block
-    assert not manager.try_to_reserve(total)  # only total - 5 more fit
+    assert manager.num_set_aside_blocks == 6  # five plus the null block
+    assert not manager.try_to_set_aside(total)  # only total - 5 more fit
     assert manager.alloc(2) == [1, 2]  # set-aside blocks go first
-    manager.free_reserved()
-    assert manager.num_reserved_blocks == 1
+    manager.free_set_aside()
+    assert manager.num_set_aside_blocks == 1
     assert manager.available_size() == total - 2
 
 
 def test_available_size_matches_what_alloc_accepts(native: Native) -> None:
     manager = manager_for(native)
     manager.alloc(5)
-    manager.try_to_reserve(3)
+    manager.try_to_set_aside(3)
     available = manager.available_size()
     with pytest.raises(PoolExhausted):
         manager.alloc(available + 1)
@@ -196,7 +196,7 @@ def test_available_size_matches_what_alloc_accepts(native: Native) -> None:
 
 
 def test_deferred_release_waits_for_the_marker(native: Native) -> None:
-    manager = manager_for(native, reserve_null_block=False, defer_physical_release=True)
+    manager = manager_for(native, set_aside_null_block=False, defer_physical_release=True)
     native_pages = native.pages
     a = manager.alloc(4)
     b = manager.alloc(4)
@@ -215,7 +215,7 @@ def test_deferred_release_waits_for_the_marker(native: Native) -> None:
 
 
 def test_shrink_is_lazy_and_never_revokes_live_blocks(native: Native) -> None:
-    manager = manager_for(native, reserve_null_block=False)
+    manager = manager_for(native, set_aside_null_block=False)
     blocks = manager.alloc(16)  # 4 pages
     assert not manager.resize(8)  # 2 pages: shrink pending
     assert manager.num_blocks == 8
@@ -234,7 +234,7 @@ def test_shrink_is_lazy_and_never_revokes_live_blocks(native: Native) -> None:
 
 
 def test_resize_target_from_another_thread_applies_on_next_alloc(native: Native) -> None:
-    manager = manager_for(native, reserve_null_block=False)
+    manager = manager_for(native, set_aside_null_block=False)
     manager.request_resize(4)
     assert manager.num_blocks == 32
     manager.alloc(1)
@@ -246,7 +246,7 @@ def test_resize_target_from_another_thread_applies_on_next_alloc(native: Native)
 def test_clear_frees_everything_and_rereserves_the_null_block(native: Native) -> None:
     manager = manager_for(native)
     manager.alloc(10)
-    manager.try_to_reserve(3)
+    manager.try_to_set_aside(3)
     manager.clear()
     assert manager.num_used_blocks == 0
     assert manager.null_block_id == 0
@@ -259,7 +259,7 @@ def test_blocks_spanning_pages_use_one_ledger_page_per_block() -> None:
     # block = 2 pages: the allocator counts in 2-page units (what KVPool builds).
     made = make_native(4, page_size=2 * PAGE)
     try:
-        manager = KVCacheManager(made.pages, 2 * PAGE, PAGE, reserve_null_block=False)
+        manager = BlockLedger(made.pages, 2 * PAGE, PAGE, set_aside_null_block=False)
         assert (manager.blocks_per_page, manager.geometry.pages_per_block) == (1, 2)
         assert manager.alloc(3) == [0, 1, 2]
         assert made.pages.num_in_use == 3

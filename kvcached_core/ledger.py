@@ -6,7 +6,7 @@ when one block spans `k` pages (`block_bytes % page_size == 0`) the page allocat
 in units of `k` pages (its FTensorAllocator built with `layout.PageGeometry.ledger_page_bytes`,
 as `KVPool` does), so that the `k` pages of a block are always mapped and released together.
 
-The manager is called from one scheduler thread. Its hot path (alloc / free / available_size)
+The ledger is called from one scheduler thread. Its hot path (alloc / free / available_size)
 touches only Python containers and counters; the native allocator is called only when whole
 pages change hands.
 """
@@ -24,7 +24,7 @@ from kvcached_core.layout import check_page_geometry
 
 
 class PageAllocatorLike(Protocol):
-    """What the manager uses of `kvcached_core._C.PageAllocator`."""
+    """What the ledger uses of `kvcached_core._C.PageAllocator`."""
 
     num_free: int
     num_reserved: int
@@ -51,12 +51,12 @@ class PageAllocatorLike(Protocol):
 
 
 @dataclass(frozen=True)
-class ManagerSnapshot:
+class LedgerSnapshot:
     """Every counter of one pool at one moment (blocks unless named pages)."""
 
     num_blocks: int
     num_used_blocks: int
-    num_reserved_blocks: int
+    num_set_aside_blocks: int
     available_blocks: int
     blocks_per_page: int
     block_bytes: int
@@ -82,8 +82,8 @@ class ManagerSnapshot:
     failure_reason: str
 
 
-class KVCacheManager:
-    """Page-affine block ledger with a reserve of set-aside blocks and deferred page release."""
+class BlockLedger:
+    """Page-affine block ledger with set-aside blocks and deferred page release."""
 
     def __init__(
         self,
@@ -91,7 +91,7 @@ class KVCacheManager:
         block_bytes: int,
         page_size: int,
         *,
-        reserve_null_block: bool = True,
+        set_aside_null_block: bool = True,
         defer_physical_release: bool = False,
         on_pages_changed: Callable[[], None] | None = None,
     ) -> None:
@@ -110,7 +110,7 @@ class KVCacheManager:
         # Blocks handed out to the engine. Set operations keep the per-block work of alloc and
         # free in C (membership, double-free and foreign-id checks included).
         self._used: set[int] = set()
-        # Ledger pages the manager holds: page -> its free block ids, ascending.
+        # Ledger pages the ledger holds: page -> its free block ids, ascending.
         self._page_free: dict[int, list[int]] = {}
         # Pages with 1..blocks_per_page free blocks, bucketed by free count; bit f of
         # _bucket_mask is set when bucket f is non-empty, so best fit is two int operations.
@@ -118,17 +118,17 @@ class KVCacheManager:
         self._bucket_mask = 0
         self._partial_free = 0  # free blocks in held pages (partial and retired)
         self._num_used = 0
-        self._reserved: list[int] = []  # set-aside blocks, ascending; alloc takes them first
+        self._set_aside: list[int] = []  # set-aside blocks, ascending; alloc takes them first
         self._retired: dict[int, int] = {}  # page -> epoch, in retirement order
         self._epoch = 0
-        self._target_pages = int(page_allocator.capacity)  # the manager's own limit
+        self._target_pages = int(page_allocator.capacity)  # the ledger's own limit
         self._pending_resize: int | None = None  # written by the limit watcher thread
         self._failure: str | None = None
         self._lock = threading.Lock()  # guards only _pending_resize hand-over
         self._closed = False
         self.null_block_id: int | None = None
-        if reserve_null_block:
-            self.null_block_id = self._reserve_null_block()
+        if set_aside_null_block:
+            self.null_block_id = self._set_aside_null_block()
 
     # ------------------------------------------------------------------ queries
 
@@ -142,8 +142,8 @@ class KVCacheManager:
         return self._num_used
 
     @property
-    def num_reserved_blocks(self) -> int:
-        return len(self._reserved) + (1 if self.null_block_id is not None else 0)
+    def num_set_aside_blocks(self) -> int:
+        return len(self._set_aside) + (1 if self.null_block_id is not None else 0)
 
     @property
     def mapped_pages(self) -> int:
@@ -158,7 +158,7 @@ class KVCacheManager:
         """Blocks the next `alloc` accepts (O(1))."""
         return (
             self._partial_free
-            + len(self._reserved)
+            + len(self._set_aside)
             + self._allocatable_pages() * self.blocks_per_page
         )
 
@@ -179,9 +179,9 @@ class KVCacheManager:
             if n < 0:
                 raise ValueError(f"cannot allocate {n} blocks")
             return []
-        reserved = self._reserved
-        from_reserved = min(n, len(reserved))
-        remaining = n - from_reserved
+        set_aside = self._set_aside
+        from_set_aside = min(n, len(set_aside))
+        remaining = n - from_set_aside
         new_pages: list[int] = []
         if remaining > self._partial_free:
             # Partial pages cannot hold the run: all of them are consumed and new pages
@@ -191,9 +191,9 @@ class KVCacheManager:
                 raise PoolExhausted(f"requested {n} blocks, {available} available")
             bpp = self.blocks_per_page
             new_pages = self._alloc_pages(-(-(remaining - self._partial_free) // bpp))
-        if from_reserved:
-            result = reserved[:from_reserved]
-            del reserved[:from_reserved]
+        if from_set_aside:
+            result = set_aside[:from_set_aside]
+            del set_aside[:from_set_aside]
             self._used.update(result)
         else:
             result = []
@@ -340,8 +340,8 @@ class KVCacheManager:
                 continue
             if not isinstance(block, int) or not 0 <= block < self._total_blocks:
                 what = "not a block of this pool"
-            elif block == self.null_block_id or block in self._reserved:
-                what = "set aside (reserved or null block), not allocated"
+            elif block == self.null_block_id or block in self._set_aside:
+                what = "set aside (by try_to_set_aside, or the null block), not allocated"
             else:
                 what = "not allocated (double free)"
             reason = f"free of block {block!r}: {what}"
@@ -397,13 +397,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ set-aside blocks
 
-    def try_to_reserve(self, n: int) -> bool:
+    def try_to_set_aside(self, n: int) -> bool:
         """Set aside `n` blocks that later `alloc` calls use first; False if they do not fit."""
         if self._failure is not None:
             self._refuse()
         if n <= 0:
             return n == 0
-        if n > self.available_size() - len(self._reserved):
+        if n > self.available_size() - len(self._set_aside):
             return False
         try:
             blocks = self._alloc_fresh(n)
@@ -411,29 +411,29 @@ class KVCacheManager:
             return False
         self._num_used -= n
         self._used.difference_update(blocks)
-        self._reserved = sorted(self._reserved + blocks)
+        self._set_aside = sorted(self._set_aside + blocks)
         return True
 
     def _alloc_fresh(self, n: int) -> list[int]:
         """alloc() without touching the set-aside blocks."""
-        saved, self._reserved = self._reserved, []
+        saved, self._set_aside = self._set_aside, []
         try:
             return self.alloc(n)
         finally:
-            self._reserved = saved
+            self._set_aside = saved
 
-    def free_reserved(self) -> None:
+    def free_set_aside(self) -> None:
         """Give the set-aside blocks back (the null block stays)."""
         if self._failure is not None:
             self._refuse()
-        blocks, self._reserved = self._reserved, []
+        blocks, self._set_aside = self._set_aside, []
         if not blocks:
             return
         self._used.update(blocks)
         self._num_used += len(blocks)
         self.free(blocks)
 
-    def _reserve_null_block(self) -> int:
+    def _set_aside_null_block(self) -> int:
         blocks = self._alloc_fresh(1)
         block = blocks[0]
         if block != 0:
@@ -484,7 +484,7 @@ class KVCacheManager:
         self._pages_changed()
 
     def clear(self) -> None:
-        """Free every block (including set-aside ones), trim, and re-reserve the null block."""
+        """Free every block (including set-aside ones), trim, and set the null block aside again."""
         if self._failure is not None:
             self._refuse()
         pages = sorted(self._page_free)
@@ -492,7 +492,7 @@ class KVCacheManager:
             self._move_bucket(page, len(free), 0)
         self._page_free.clear()
         self._retired.clear()
-        self._reserved = []
+        self._set_aside = []
         self._used = set()
         self._partial_free = 0
         self._num_used = 0
@@ -505,7 +505,7 @@ class KVCacheManager:
         self._allocator.trim()
         self._pages_changed()
         if self.null_block_id is not None:
-            self.null_block_id = self._reserve_null_block()
+            self.null_block_id = self._set_aside_null_block()
 
     def shutdown(self) -> None:
         """Stop the allocator's background work. Idempotent."""
@@ -514,14 +514,14 @@ class KVCacheManager:
         self._closed = True
         self._allocator.stop()
 
-    def snapshot(self) -> ManagerSnapshot:
+    def snapshot(self) -> LedgerSnapshot:
         allocator = self._allocator
         in_use = int(allocator.num_in_use)
         reserve_pool = int(allocator.num_reserved)
-        return ManagerSnapshot(
+        return LedgerSnapshot(
             num_blocks=self.num_blocks,
             num_used_blocks=self._num_used,
-            num_reserved_blocks=self.num_reserved_blocks,
+            num_set_aside_blocks=self.num_set_aside_blocks,
             available_blocks=self.available_size(),
             blocks_per_page=self.blocks_per_page,
             block_bytes=self.block_bytes,

@@ -1,4 +1,4 @@
-"""Random traces against KVCacheManager on the real native allocator (host backend).
+"""Random traces against BlockLedger on the real native allocator (host backend).
 
 Properties: no block is handed out twice; no page leaks (after freeing everything and trimming
 the allocator maps nothing but the null block's page); available_size equals what alloc
@@ -26,7 +26,7 @@ from kvcached_core.errors import (
     PoolExhausted,
     StateConsistencyError,
 )
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.ledger import BlockLedger
 
 KIB = 1024
 PAGE = 64 * KIB
@@ -38,7 +38,7 @@ class LedgerMachine(RuleBasedStateMachine):
         super().__init__()
         self.live: set[int] = set()
         self.failed = False
-        self.manager: KVCacheManager
+        self.manager: BlockLedger
         self.pages: Any = None
 
     @initialize(
@@ -57,11 +57,11 @@ class LedgerMachine(RuleBasedStateMachine):
         # No refill thread: the counters then change only under this thread, so available_size
         # must equal exactly what alloc accepts.
         self.pages = _C.PageAllocator(self.ftensors, 0, max_reserved, False)
-        self.manager = KVCacheManager(
+        self.manager = BlockLedger(
             self.pages,
             block_kib * KIB,
             PAGE,
-            reserve_null_block=null_block,
+            set_aside_null_block=null_block,
             defer_physical_release=defer,
         )
         self.markers: list[int] = []
@@ -71,7 +71,7 @@ class LedgerMachine(RuleBasedStateMachine):
         return (
             manager.page_occupancy(),
             manager.num_used_blocks,
-            manager.num_reserved_blocks,
+            manager.num_set_aside_blocks,
             manager.available_size(),
             self.pages.num_in_use,
             tuple(self.ftensors.mapped_page_ids()),
@@ -132,18 +132,18 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: not self.failed)
     @rule(n=st.integers(0, 12))
-    def try_to_reserve(self, n: int) -> None:
+    def try_to_set_aside(self, n: int) -> None:
         available = self.manager.available_size()
-        set_aside = self.manager.num_reserved_blocks
-        ok = self.manager.try_to_reserve(n)
+        set_aside = self.manager.num_set_aside_blocks
+        ok = self.manager.try_to_set_aside(n)
         assert ok == (n <= available - (set_aside - (self.manager.null_block_id is not None)))
         assert self.manager.available_size() == available
 
     @precondition(lambda self: not self.failed)
     @rule()
-    def free_reserved(self) -> None:
-        self.manager.free_reserved()
-        assert self.manager.num_reserved_blocks == (self.manager.null_block_id is not None)
+    def free_set_aside(self) -> None:
+        self.manager.free_set_aside()
+        assert self.manager.num_set_aside_blocks == (self.manager.null_block_id is not None)
 
     @precondition(lambda self: not self.failed)
     @rule()
@@ -196,7 +196,7 @@ class LedgerMachine(RuleBasedStateMachine):
         with pytest.raises(StateConsistencyError, match="refuses work"):
             self.manager.free(sorted(self.live)[:1] or [0])
         with pytest.raises(StateConsistencyError, match="refuses work"):
-            self.manager.try_to_reserve(1)
+            self.manager.try_to_set_aside(1)
 
     # ------------------------------------------------------------------ invariants
 
@@ -218,7 +218,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if not self.failed:
                 manager = self.manager
                 manager.free(sorted(self.live))
-                manager.free_reserved()
+                manager.free_set_aside()
                 manager.release_retired_through(manager.capture_release_marker())
                 manager.resize(NUM_PAGES * manager.blocks_per_page)
                 manager.trim()
