@@ -14,10 +14,11 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from forge.build import build_cell
+from forge.fetch import default_cache_dir
 from forge.matrix import Cell
 from forge.repack import read_provenance
 
-from .conftest import MATRIX, _cache_dir
+from .conftest import MATRIX
 
 
 def _engine_wheels(wheel_dir: Path) -> list[Path]:
@@ -110,7 +111,7 @@ def test_installed_wheel_matches_record_and_describes_its_build(
 
 def test_a_second_build_is_byte_identical(cell: Cell, wheel_dir: Path, tmp_path: Path) -> None:
     again = build_cell(cell.name, matrix_path=MATRIX, dist_dir=tmp_path / "dist",
-                       cache_dir=_cache_dir(), progress=lambda line: None)
+                       cache_dir=default_cache_dir(), progress=lambda line: None)
     first = {w.name: _sha256(w) for w in wheel_dir.glob("*.whl")}
     second = {w.name: _sha256(w) for w in again.wheels}
     assert first == second

@@ -21,8 +21,8 @@ from _fixtures import (
 )
 
 from codemods.base import BuildContext
-from codemods.registry import Kind, Registry
 from forge.errors import TransformError
+from forge.registry import Kind, Registry
 from forge.report import ALREADY_APPLIED, APPLIED
 from forge.transforms import patch_set_fingerprint, run_transforms
 from forge.workspace import VENDOR_BRANCH, Workspace, wheel_workspace
@@ -203,7 +203,7 @@ def test_lint_flags_incomplete_codemod_registration(tmp_path: Path) -> None:
 
 
 def test_repository_registry_is_complete() -> None:
-    from codemods.registry import default_registry
+    from forge.registry import default_registry
 
     assert default_registry().lint() == []
 
@@ -222,11 +222,12 @@ def test_fingerprint_covers_ids_sources_and_toolkit(tmp_path: Path) -> None:
 
 def test_fingerprint_covers_the_helper_modules_a_codemod_imports() -> None:
     """A change in a shared helper changes the output, so it must change the fingerprint."""
-    from codemods.registry import CODEMODS_ROOT, default_registry
+    from forge.fingerprint import CODEMODS_ROOT, transform_source
+    from forge.registry import default_registry
 
     registry = default_registry()
     block_pool = next(t for t in registry.codemods if t.id == "vllm-block-pool")
-    source = block_pool.source_bytes()
+    source = transform_source(block_pool)
     assert (CODEMODS_ROOT / "vllm" / "_common.py").read_bytes() in source
     assert (CODEMODS_ROOT / "base.py").read_bytes() in source
     assert (CODEMODS_ROOT / "vllm" / "block_pool.py").read_bytes() in source
