@@ -177,7 +177,7 @@ def _run_diff(workspace: Workspace, transform: Transform, build: BuildContext,
               flavour: str) -> TransformOutcome:
     assert transform.patch is not None
     files = transform.targets
-    hunks = transform.expected_hits  # load_patch checked the hunk count against the header
+    hunks = transform.expected_hits  # diff_transform checked the hunk count against the header
     patch = _without_header(transform.patch.path)
     try:
         forward, forward_log = _git_apply(workspace, patch, "--check", "-v")

@@ -217,3 +217,19 @@ def test_unknown_version_uses_the_range_of_diffs_and_codemods(tmp_path: Path) ->
     with pytest.raises(TransformError, match=r"fakeeng version 2.0.0 is unknown \(newest "
                                              r"registered: <2\)$"):
         registry.select("fakeeng-2.0", ENGINE, "2.0", "2.0.0")
+
+
+def test_transforms_lists_each_seam_of_a_real_cell(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["transforms", "vllm-0.32", "--matrix", str(REPO / "matrix.toml")]) == 0
+    out = capsys.readouterr().out
+    table = [line.split("|")[:2] for line in out.splitlines() if line.count("|") == 4]
+    rows = [(seam.strip(), transform_id.strip()) for seam, transform_id in table[1:]]
+    assert rows == [
+        ("provenance", "provenance"), ("block-pool", "vllm-block-pool"),
+        ("allocate-slots-race", "vllm-allocate-slots-race"),
+        ("step-end-release", "vllm-engine-step-release"), ("shutdown", "vllm-engine-shutdown"),
+        ("kv-budget", "vllm-kv-budget-user-bytes"),
+        ("kv-buffers-v1-runner + kv-buffers-v2-runner", "vllm-kv-buffers-shared"),
+    ]
+    assert "    description:   allocate_kv_cache: torch.zeros -> shared_kv_buffer\n" in out
+    assert f"required seams, each covered once: {', '.join(VLLM_SEAMS)}\n" in out

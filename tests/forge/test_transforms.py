@@ -184,6 +184,23 @@ def test_patch_header_fields_are_required(tmp_path: Path) -> None:
     assert problems[0].endswith("no-why.patch: header lacks Why, Retire-When")
 
 
+def test_patch_header_must_name_its_seam(tmp_path: Path) -> None:
+    patches = tmp_path / "patches"
+    write_patch(patches, "no-seam", unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED),
+                header=patch_header(Seam=""))
+    problems = Registry(codemods=[], patches_root=patches).lint()
+    assert len(problems) == 1
+    assert problems[0].endswith("no-seam.patch: header lacks Seam")
+
+
+def test_a_diff_implements_the_seam_its_header_names(tmp_path: Path) -> None:
+    patches = tmp_path / "patches"
+    write_patch(patches, "log-take", unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED))
+    (diff,) = Registry(codemods=[], patches_root=patches).diffs(ENGINE, "1.0")
+    assert diff.seams == ("take-logging",)
+    assert diff.description == "Log every pool take"
+
+
 def test_patch_hunk_count_must_match_expected_hits(tmp_path: Path) -> None:
     patches = tmp_path / "patches"
     write_patch(patches, "two-claimed", unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED),
