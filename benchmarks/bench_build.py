@@ -10,7 +10,6 @@ Prints the median build time, the anchor's time, the ratio, and whether the tags
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
@@ -25,14 +24,10 @@ sys.path.insert(0, str(ROOT))
 from packaging.utils import parse_wheel_filename  # noqa: E402
 
 from forge.build import build_cell  # noqa: E402
-from forge.fetch import fetch_artifact, resolve_index_url  # noqa: E402
+from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url  # noqa: E402
 from forge.matrix import load_matrix  # noqa: E402
 
 MATRIX = ROOT / "matrix.toml"
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVCACHED_FORGE_CACHE", Path.home() / ".cache" / "kvcached-forge"))
 
 
 def time_build(cell: str, repeat: int, scratch: Path) -> list[float]:
@@ -40,7 +35,7 @@ def time_build(cell: str, repeat: int, scratch: Path) -> list[float]:
     for i in range(repeat + 1):  # the first run warms the workspace cache and is not counted
         dist = scratch / f"dist-{i}"
         start = time.perf_counter()
-        build_cell(cell, matrix_path=MATRIX, dist_dir=dist, cache_dir=_cache_dir(),
+        build_cell(cell, matrix_path=MATRIX, dist_dir=dist, cache_dir=default_cache_dir(),
                    progress=lambda line: None)
         elapsed = time.perf_counter() - start
         if i:
@@ -73,13 +68,13 @@ def main() -> int:
     cell = matrix.get_cell(args.cell)
     wheel_artifact = next(a for a in cell.wheel_artifacts if a.role == "wheel")
     wheel = fetch_artifact(wheel_artifact, index_url=resolve_index_url(matrix),
-                           cache_dir=_cache_dir())
+                           cache_dir=default_cache_dir())
 
     with tempfile.TemporaryDirectory(prefix="bench-build-") as tmp:
         scratch = Path(tmp)
         builds = time_build(args.cell, args.repeat, scratch)
         result = build_cell(args.cell, matrix_path=MATRIX, dist_dir=scratch / "final",
-                            cache_dir=_cache_dir(), progress=lambda line: None)
+                            cache_dir=default_cache_dir(), progress=lambda line: None)
         ours = next(w for w in result.wheels
                     if parse_wheel_filename(w.name)[0] == parse_wheel_filename(wheel.name)[0])
         anchor, anchor_name = time_unpack_pack(wheel, scratch)

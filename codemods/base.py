@@ -2,7 +2,7 @@
 
 libcst reports a codemod that matched nothing as a success with unchanged code, so each codemod
 counts its own hits (``record_hit``) and recognises its own output (``record_already_applied``);
-the runner compares the counts with what the registry declares.
+the runner compares the counts with what the declaration (catalog.py) expects.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class BuildContext:
 class HitCountingCodemod(VisitorBasedCodemodCommand):
     """A codemod that counts the places it rewrote and the places already rewritten."""
 
+    #: What the transform does, one line (libcst's convention; `forge transforms` lists it).
+    DESCRIPTION: str = ""
     #: A codemod that creates its target file is given an empty module when the file is absent.
     creates_file: bool = False
 

@@ -66,8 +66,6 @@ _MARKER_STATEMENT = m.SimpleStatementLine(
 
 
 class WriteProvenanceModule(HitCountingCodemod):
-    """Fill the empty (absent) provenance module; leave an existing one alone."""
-
     DESCRIPTION = "Write <engine>/_kvcached_build.py with the build's provenance and describe()."
     creates_file = True
 

@@ -21,19 +21,15 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
 from codemods.base import BuildContext
-from codemods.registry import Registry, Transform, default_registry
 from forge import TOOLKIT_VERSION
 from forge.errors import DiffMismatchError, TransformError, WheelError
 from forge.fetch import fetch_artifact, resolve_index_url
+from forge.fingerprint import patch_set_fingerprint
 from forge.matrix import Artifact, Cell, load_matrix
+from forge.registry import Registry, Transform, default_registry
 from forge.repack import RepackSpec, compose_version, repack_wheel
 from forge.report import APPLIED, BuildReport
-from forge.transforms import (
-    TransformOutcome,
-    patch_set_fingerprint,
-    run_transforms,
-    select_transforms,
-)
+from forge.transforms import TransformOutcome, run_transforms, select_transforms
 from forge.workspace import wheel_workspace
 
 Progress = Callable[[str], None]

@@ -17,10 +17,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from codemods.registry import PATCHES_ROOT, Registry, default_registry
 from forge.errors import ForgeError, PublishError, WheelError
 from forge.fetch import default_cache_dir
 from forge.matrix import Matrix, load_matrix
+from forge.registry import PATCHES_ROOT, Registry, Transform, default_registry
 from forge.repack import PROVENANCE_FILE
 
 PASSWORD_ENV = "KVCACHED_FORGE_INDEX_PASSWORD"
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="root of patches/<engine>/<series>/ (default: the toolkit's own)")
     common.add_argument("--registry", default=None, metavar="MODULE:NAME",
                         help="use another transform registry: a Registry, or a function of the "
-                             "patches dir returning one (default: codemods.registry)")
+                             "patches dir returning one (default: forge.registry)")
     build_opts = argparse.ArgumentParser(add_help=False)
     build_opts.add_argument("--cache-dir", type=Path, default=None,
                             help="artifact and workspace cache (default: $KVCACHED_FORGE_CACHE "
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     approve.add_argument("cell")
 
     transforms = commands.add_parser("transforms", parents=[common],
-                                     help="list the transform set of a cell")
+                                     help="list the transform set of a cell, seam by seam")
     transforms.add_argument("cell")
 
     commands.add_parser("check-matrix", parents=[common],
@@ -141,18 +141,29 @@ def _print_transforms(matrix: Matrix, name: str, registry: Registry) -> None:
 
     cell = matrix.get_cell(name)
     transforms = select_transforms(registry, cell)
-    rows = [("id", "kind", "hits", "targets", "anchor")] + [
-        (t.id, str(t.kind), str(t.expected_hits), ", ".join(t.target_paths(cell.engine)),
-         t.anchor.replace("{package}", cell.engine))
+    rows = [("seam", "id", "kind", "hits", "targets")] + [
+        (_seams(t), t.id, str(t.kind), str(t.expected_hits),
+         ", ".join(t.target_paths(cell.engine)))
         for t in transforms
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    print(f"transform set of {cell.name} ({cell.engine} {cell.version}):")
+    print(f"transform set of {cell.name} ({cell.engine} {cell.version}), in application order:")
     for row in rows:
         print("  " + " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
     for t in transforms:
-        print(f"  {t.id}: why: {t.why}\n  {' ' * len(t.id)}  retire when: {t.retire_when}")
+        print(f"\n  {t.id} [{_seams(t)}]")
+        for label, value in (("description", t.description),
+                             ("anchor", t.anchor.replace("{package}", cell.engine)),
+                             ("expected hits", str(t.expected_hits)), ("why", t.why),
+                             ("retire when", t.retire_when)):
+            print(f"    {label + ':':<14} {value}")
+    required = ", ".join(registry.required_for(cell.engine, cell.version))
+    print(f"\nrequired seams, each covered once: {required}")
     print(f"patch-set fingerprint: {patch_set_fingerprint(transforms, TOOLKIT_VERSION)}")
+
+
+def _seams(transform: Transform) -> str:
+    return " + ".join(transform.seams)
 
 
 def _check_matrix(matrix: Matrix, registry: Registry) -> None:
@@ -161,6 +172,7 @@ def _check_matrix(matrix: Matrix, registry: Registry) -> None:
     problems = registry.lint()
     if problems:
         raise ForgeError(f"registry: {problems[0]}")
+    # select_transforms fails on the first cell that does not resolve, naming it.
     counts = ", ".join(
         f"{cell.name}: {len(select_transforms(registry, cell))} transforms" for cell in matrix.cells
     )

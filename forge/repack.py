@@ -18,6 +18,7 @@ CRC, size and RECORD hash, for bases whose pinned digest is itself in doubt.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -198,7 +199,7 @@ class _Layout:
 class _HashingReader:
     """Reads the base wheel front to back exactly once, hashing every byte it passes."""
 
-    def __init__(self, f: BinaryIO, where: str) -> None:
+    def __init__(self, f: io.BufferedReader, where: str) -> None:
         self._f = f
         self._where = where
         self.position = 0
@@ -242,7 +243,7 @@ class _Repack:
         self,
         spec: RepackSpec,
         name: WheelName,
-        base: BinaryIO,
+        base: io.BufferedReader,
         out: BinaryIO,
         progress: Progress | None,
         verify: bool,

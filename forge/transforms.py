@@ -9,7 +9,6 @@ output, and a diff that reverse-applies cleanly is already in.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import tempfile
@@ -26,11 +25,15 @@ from libcst.codemod import (
 )
 
 from codemods.base import BuildContext
-from codemods.registry import Kind, Registry, Transform
 from forge.errors import TransformError
+from forge.fingerprint import patch_set_fingerprint
 from forge.matrix import Cell
+from forge.patches import diff_body
+from forge.registry import Kind, Registry, Transform
 from forge.report import ALREADY_APPLIED, APPLIED, Row
 from forge.workspace import Workspace
+
+__all__ = ["TransformOutcome", "patch_set_fingerprint", "run_transforms", "select_transforms"]
 
 Progress = Callable[[str], None]
 
@@ -46,16 +49,9 @@ def _quiet(_line: str) -> None:
 
 
 def select_transforms(registry: Registry, cell: Cell) -> list[Transform]:
-    return registry.transforms_for(cell.engine, cell.series, cell.version)
-
-
-def patch_set_fingerprint(transforms: Sequence[Transform], toolkit_version: str) -> str:
-    """sha256 over the toolkit version and, in order, each transform's id, kind and source."""
-    digest = hashlib.sha256(f"kvcached-forge {toolkit_version}\n".encode())
-    for transform in transforms:
-        source = hashlib.sha256(transform.source_bytes()).hexdigest()
-        digest.update(f"{transform.id}\n{transform.kind}\n{source}\n".encode())
-    return digest.hexdigest()
+    """The cell's transform set; TransformError when a required seam is not covered exactly
+    once or the cell's version is above every registered range."""
+    return registry.select(cell.name, cell.engine, cell.series, cell.version)
 
 
 @dataclass(frozen=True)
@@ -181,8 +177,8 @@ def _run_diff(workspace: Workspace, transform: Transform, build: BuildContext,
               flavour: str) -> TransformOutcome:
     assert transform.patch is not None
     files = transform.targets
-    hunks = transform.expected_hits  # load_patch checked the hunk count against the header
-    patch = _without_header(transform.patch)
+    hunks = transform.expected_hits  # diff_transform checked the hunk count against the header
+    patch = _without_header(transform.patch.path)
     try:
         forward, forward_log = _git_apply(workspace, patch, "--check", "-v")
         if forward != 0:
@@ -210,7 +206,7 @@ def _run_diff(workspace: Workspace, transform: Transform, build: BuildContext,
             text = (workspace.root / relative).read_text(encoding="utf-8")
             _check_compiles(build, transform, relative, text)
     rows = tuple(
-        Row(flavour, transform.id, str(transform.kind), f, _hunks_in(transform, f),
+        Row(flavour, transform.id, str(transform.kind), f, transform.patch.hunks_in(f),
             str(hunks), tuple(offsets_by_file.get(f, ())), APPLIED)
         for f in files
     )
@@ -221,23 +217,11 @@ def _run_diff(workspace: Workspace, transform: Transform, build: BuildContext,
 
 def _without_header(patch: Path) -> Path:
     """A copy of the patch without its DEP-3 header (git apply would read it as garbage)."""
-    text = patch.read_text(encoding="utf-8")
-    start = re.search(r"^(diff --git |--- )", text, flags=re.MULTILINE)
-    body = text[start.start():] if start else text
+    body = diff_body(patch.read_text(encoding="utf-8"))
     fd, name = tempfile.mkstemp(suffix=".patch")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(body)
     return Path(name)
-
-
-def _hunks_in(transform: Transform, relative: str) -> int:
-    from unidiff import PatchSet
-
-    assert transform.patch is not None
-    for patched in PatchSet.from_filename(str(transform.patch)):
-        if patched.path == relative:
-            return len(patched)
-    return 0
 
 
 def _offsets(log: str) -> dict[str, list[str]]:

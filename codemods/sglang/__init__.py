@@ -1,1 +1,1 @@
-"""Codemods of the SGLang cells, one module per seam (registered in codemods/registry.py)."""
+"""Codemods of the SGLang cells, one module per seam (declared in codemods/catalog.py)."""

@@ -68,4 +68,4 @@ def statement(source: str) -> cst.BaseStatement:
 
 def is_marked(node: cst.BaseStatement, marker: str) -> bool:
     """Whether a statement is one the codemod wrote (its source mentions ``marker``)."""
-    return marker in cst.Module(body=[node]).code
+    return marker in cst.Module(body=[]).code_for_node(node)

@@ -6,9 +6,8 @@ from codemods.sglang._append import AppendElasticSubclass
 
 
 class ElasticPagedAllocator(AppendElasticSubclass):
-    """Subclass PagedTokenToKVPoolAllocator with the elastic ledger mixin and rebind its name."""
-
-    DESCRIPTION = __doc__ or ""
+    DESCRIPTION = ("Subclass PagedTokenToKVPoolAllocator with the elastic ledger mixin and rebind "
+                   "its name.")
     ANCHOR = "PagedTokenToKVPoolAllocator"
     ELASTIC = "ElasticPagedTokenToKVPoolAllocator"
     MIXIN_MODULE = "kvcached_core.integration.sglang.allocators"

@@ -6,9 +6,8 @@ from codemods.sglang._append import AppendElasticSubclass
 
 
 class ElasticTokenAllocator(AppendElasticSubclass):
-    """Subclass TokenToKVPoolAllocator with the elastic ledger mixin and rebind its name."""
-
-    DESCRIPTION = __doc__ or ""
+    DESCRIPTION = (
+        "Subclass TokenToKVPoolAllocator with the elastic ledger mixin and rebind its name.")
     ANCHOR = "TokenToKVPoolAllocator"
     ELASTIC = "ElasticTokenToKVPoolAllocator"
     MIXIN_MODULE = "kvcached_core.integration.sglang.allocators"

@@ -24,9 +24,7 @@ IMPORT = ("from kvcached_core.integration.sglang.startup import kv_budget_bytes 
 
 
 class KVBudgetCapacity(MethodScopedCodemod):
-    """Pass every KV budget KVCacheConfigurator profiles through kvcached's budget."""
-
-    DESCRIPTION = __doc__ or ""
+    DESCRIPTION = "Pass every KV budget KVCacheConfigurator profiles through kvcached's budget."
     CLASS = "KVCacheConfigurator"
     METHOD = "_profile_available_bytes"
 

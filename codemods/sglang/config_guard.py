@@ -34,9 +34,8 @@ SWITCH_IMPORT = ("from kvcached_core.integration.sglang import elastic_enabled a
 
 
 class RefuseUnsupportedAtConfigure(MethodScopedCodemod):
-    """Refuse memory saver, custom mem pool, post-capture sizing and hybrid pools at start."""
-
-    DESCRIPTION = __doc__ or ""
+    DESCRIPTION = ("Refuse memory saver, custom mem pool, post-capture sizing and hybrid pools "
+                   "at start.")
     CLASS = "KVCacheConfigurator"
     METHOD = "configure"
 

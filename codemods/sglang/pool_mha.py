@@ -6,9 +6,7 @@ from codemods.sglang._append import AppendElasticSubclass
 
 
 class ElasticMHAPool(AppendElasticSubclass):
-    """Subclass MHATokenToKVPool so its K/V buffers are views of kvcached tensors."""
-
-    DESCRIPTION = __doc__ or ""
+    DESCRIPTION = "Subclass MHATokenToKVPool so its K/V buffers are views of kvcached tensors."
     ANCHOR = "MHATokenToKVPool"
     ELASTIC = "ElasticMHATokenToKVPool"
     MIXIN_MODULE = "kvcached_core.integration.sglang.pools"

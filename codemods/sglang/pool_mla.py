@@ -6,9 +6,7 @@ from codemods.sglang._append import AppendElasticSubclass
 
 
 class ElasticMLAPool(AppendElasticSubclass):
-    """Subclass MLATokenToKVPool so its latent buffers are views of kvcached tensors."""
-
-    DESCRIPTION = __doc__ or ""
+    DESCRIPTION = "Subclass MLATokenToKVPool so its latent buffers are views of kvcached tensors."
     ANCHOR = "MLATokenToKVPool"
     ELASTIC = "ElasticMLATokenToKVPool"
     MIXIN_MODULE = "kvcached_core.integration.sglang.pools"

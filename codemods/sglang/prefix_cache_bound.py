@@ -27,9 +27,7 @@ SWITCH_IMPORT = "import kvcached_core.integration.sglang as _kvcached_sglang\n"
 
 
 class BoundPrefixCacheOnRelease(MethodScopedCodemod):
-    """Evict the prefix cache down to KVCACHED_MAX_CACHED_TOKENS after each release."""
-
-    DESCRIPTION = __doc__ or ""
+    DESCRIPTION = "Evict the prefix cache down to KVCACHED_MAX_CACHED_TOKENS after each release."
     CLASS = ""
     METHOD = "release_kv_cache"
 

@@ -1,1 +1,1 @@
-"""Codemods that wire vLLM to kvcached_core (one module per seam)."""
+"""Codemods that wire vLLM to kvcached_core, one module per seam (declared in catalog.py)."""

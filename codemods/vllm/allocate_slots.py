@@ -11,8 +11,6 @@ from codemods.vllm._common import DecorateMethods
 
 
 class NoneOnPoolExhausted(DecorateMethods):
-    """Turn PoolExhausted inside allocate_slots into a rolled-back None."""
-
     DESCRIPTION = "KVCacheManager.allocate_slots: PoolExhausted -> rollback, return None"
     CLASS_NAME = "KVCacheManager"
     DECORATORS = {"allocate_slots": "_kvcached_vllm.none_on_pool_exhausted"}

@@ -14,8 +14,6 @@ from codemods.vllm._common import MethodCodemod, adapter_attr, is_adapter_call
 
 
 class ElasticBlockPoolConstruction(MethodCodemod):
-    """Build the coordinator's block pool through the kvcached adapter."""
-
     DESCRIPTION = "KVCacheCoordinator.__init__: BlockPool(...) -> make_block_pool(BlockPool, ...)"
     CLASS_NAME = "KVCacheCoordinator"
 

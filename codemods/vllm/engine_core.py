@@ -20,8 +20,6 @@ from codemods.vllm._common import DecorateMethods, MethodCodemod, is_adapter_cal
 
 
 class ReleasePagesAfterStep(DecorateMethods):
-    """Give idle KV pages back after every engine step."""
-
     DESCRIPTION = "EngineCore.step/step_with_batch_queue: release idle pages after the step"
     CLASS_NAME = "EngineCore"
     DECORATORS = {
@@ -31,8 +29,6 @@ class ReleasePagesAfterStep(DecorateMethods):
 
 
 class ClosePoolOnShutdown(DecorateMethods):
-    """Release the KV pool when the engine shuts down."""
-
     DESCRIPTION = "EngineCore.shutdown: release every page and the shared-memory record"
     CLASS_NAME = "EngineCore"
     DECORATORS = {"shutdown": "_kvcached_vllm.close_on_shutdown"}
@@ -50,8 +46,6 @@ _BUDGET_KWARGS = (
 
 
 class KVCacheBudget(MethodCodemod):
-    """Size vLLM's block table from the virtual KV budget kvcached chooses."""
-
     DESCRIPTION = "EngineCore._initialize_kv_caches: KV budget through kv_cache_budget(...)"
     CLASS_NAME = "EngineCore"
     #: The expression of the user's KV byte budget in this version (None: no such setting).
@@ -94,6 +88,6 @@ class KVCacheBudget(MethodCodemod):
 
 
 class KVCacheBudgetWithUserBytes(KVCacheBudget):
-    """Size vLLM's block table from the virtual KV budget (respects kv_cache_memory_bytes)."""
-
+    DESCRIPTION = ("EngineCore._initialize_kv_caches: KV budget through kv_cache_budget(...), "
+                   "kv_cache_memory_bytes respected")
     USER_KV_BYTES = "vllm_config.cache_config.kv_cache_memory_bytes"

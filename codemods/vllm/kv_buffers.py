@@ -68,8 +68,6 @@ def _rewrite_zeros_site(codemod: HitCountingCodemod, call: cst.Call, adapter_fun
 
 
 class PerLayerKVBuffers(MethodCodemod):
-    """Back each layer's KV buffer with kvcached (vLLM <= 0.11)."""
-
     DESCRIPTION = "GPUModelRunner._allocate_kv_cache_tensors: torch.zeros -> per_layer_kv_buffer"
     CLASS_NAME = "GPUModelRunner"
     ADAPTER = "per_layer_kv_buffer"
@@ -101,20 +99,14 @@ def _tensor_extra(attn_groups: str) -> str:
 
 
 class TensorKVBuffers(PerLayerKVBuffers):
-    """Back the V1 runner's per-tensor and packed KV buffers with kvcached (vLLM 0.24 - 0.28)."""
-
     DESCRIPTION = "GPUModelRunner._allocate_kv_cache_tensors: torch.zeros -> kv_tensor_buffer"
     ADAPTER = "kv_tensor_buffer"
     EXTRA = _tensor_extra("self.attn_groups")
 
 
 class ModelRunnerV2KVBuffers(FunctionCodemod):
-    """Back Model Runner V2's KV buffers with kvcached (vLLM 0.24 - 0.28).
-
-    Four places: the two zeros sites of `_allocate_kv_cache`, a new `attn_groups=()` parameter
-    of it, and `attn_groups=attn_groups` in the call from `init_kv_cache`.
-    """
-
+    # Four places: the two zeros sites of `_allocate_kv_cache`, a new `attn_groups=()` parameter
+    # of it, and `attn_groups=attn_groups` in the call from `init_kv_cache`.
     DESCRIPTION = "gpu/attn_utils._allocate_kv_cache: torch.zeros -> kv_tensor_buffer"
     FUNCTION_NAME = "_allocate_kv_cache"
     CALLER_NAME = "init_kv_cache"
@@ -165,7 +157,8 @@ class ModelRunnerV2KVBuffers(FunctionCodemod):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if self._in_caller and m.matches(updated_node.func, m.Name(self.FUNCTION_NAME)):
-            if any(m.matches(a.keyword, m.Name(self.GROUPS)) for a in updated_node.args):
+            if any(a.keyword is not None and m.matches(a.keyword, m.Name(self.GROUPS))
+                   for a in updated_node.args):
                 self.record_already_applied()
                 return updated_node
             self.record_hit()
@@ -186,8 +179,6 @@ class ModelRunnerV2KVBuffers(FunctionCodemod):
 
 
 class SharedKVBuffer(FunctionCodemod):
-    """Back the single KV buffer of all layers with kvcached (vLLM >= 0.29)."""
-
     DESCRIPTION = "allocate_kv_cache: torch.zeros -> shared_kv_buffer"
     FUNCTION_NAME = "allocate_kv_cache"
     EXTRA = ("regions=[(t.offset, len(t.layers), t.layer_stride, t.block_stride) "

@@ -8,12 +8,12 @@ build they are.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from forge.build import BuildResult, build_cell
+from forge.fetch import default_cache_dir
 from forge.matrix import Cell, load_matrix
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,10 +37,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("cell", cells, ids=[c.name for c in cells], scope="session")
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVCACHED_FORGE_CACHE", Path.home() / ".cache" / "kvcached-forge"))
-
-
 @pytest.fixture(scope="session")
 def built(cell: Cell, tmp_path_factory: pytest.TempPathFactory,
           request: pytest.FixtureRequest) -> BuildResult | Path:
@@ -49,7 +45,7 @@ def built(cell: Cell, tmp_path_factory: pytest.TempPathFactory,
     if given:
         return Path(given)
     dist = tmp_path_factory.mktemp(f"dist-{cell.name}")
-    return build_cell(cell.name, matrix_path=MATRIX, dist_dir=dist, cache_dir=_cache_dir())
+    return build_cell(cell.name, matrix_path=MATRIX, dist_dir=dist, cache_dir=default_cache_dir())
 
 
 @pytest.fixture(scope="session")

@@ -14,10 +14,13 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from forge.build import build_cell
+from forge.fetch import default_cache_dir
 from forge.matrix import Cell
+from forge.registry import default_registry
 from forge.repack import read_provenance
+from forge.transforms import select_transforms
 
-from .conftest import MATRIX, _cache_dir
+from .conftest import MATRIX
 
 
 def _engine_wheels(wheel_dir: Path) -> list[Path]:
@@ -58,6 +61,19 @@ def test_provenance_names_the_pinned_base_and_the_applied_transforms(
         assert "provenance" in ids
         assert all(t["hits"] >= 1 for t in provenance["transforms"])
         assert len(provenance["patch_set_fingerprint"]) == 64
+
+
+def test_applied_transforms_cover_each_required_seam_exactly_once(
+        cell: Cell, wheel_dir: Path) -> None:
+    registry = default_registry()
+    by_id = {t.id: t for t in select_transforms(registry, cell)}
+    required = registry.required_for(cell.engine, cell.version)
+    assert required, f"{cell.engine} declares no required seams"
+    for wheel in _engine_wheels(wheel_dir):
+        applied = [t["id"] for t in read_provenance(wheel)["transforms"]]
+        assert applied == list(by_id), f"{wheel.name}: applied set differs from the registry's"
+        covered = [seam for transform_id in applied for seam in by_id[transform_id].seams]
+        assert sorted(covered) == sorted(required), wheel.name
 
 
 def test_meta_wheel_pins_exactly_the_build_and_the_runtime(cell: Cell, wheel_dir: Path) -> None:
@@ -110,7 +126,7 @@ def test_installed_wheel_matches_record_and_describes_its_build(
 
 def test_a_second_build_is_byte_identical(cell: Cell, wheel_dir: Path, tmp_path: Path) -> None:
     again = build_cell(cell.name, matrix_path=MATRIX, dist_dir=tmp_path / "dist",
-                       cache_dir=_cache_dir(), progress=lambda line: None)
+                       cache_dir=default_cache_dir(), progress=lambda line: None)
     first = {w.name: _sha256(w) for w in wheel_dir.glob("*.whl")}
     second = {w.name: _sha256(w) for w in again.wheels}
     assert first == second

@@ -12,14 +12,16 @@ import threading
 import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
 
 from codemods.base import HitCountingCodemod
-from codemods.registry import CODEMODS, Registry, Transform, codemod
+from codemods.catalog import CODEMODS, REQUIRED_SEAMS
+from codemods.declare import CodemodDeclaration, RequiredSeam
+from forge.registry import Registry, Transform, codemod_transform
 
 ENGINE = "fakeeng"
 VERSION = "1.0.0"
@@ -195,7 +197,7 @@ def matrix_text(index_url: str, artifacts: list[tuple[str, str, str]], *, build:
 
 
 class RouteAllocate(HitCountingCodemod):
-    """Route bare allocate() calls through the kvcached hook."""
+    DESCRIPTION = "Route bare allocate() calls through the kvcached hook."
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if m.matches(updated_node.func, m.Name("allocate")):
@@ -209,22 +211,28 @@ class RouteAllocate(HitCountingCodemod):
 
 def route_allocate(expected_hits: str | int = 2,
                    targets: tuple[str, ...] = ("{package}/pool.py",)) -> Transform:
-    return codemod(
-        id="route-allocate", engine=ENGINE, versions=">=1.0,<2", anchor="fakeeng.pool.allocate",
-        targets=targets, expected_hits=expected_hits,
+    return codemod_transform(CodemodDeclaration(
+        id="route-allocate", engine=ENGINE, versions=">=1.0,<2", seam="pool-allocate",
+        anchor="fakeeng.pool.allocate", targets=targets, expected_hits=expected_hits,
         why="allocations must go through kvcached", retire_when="fakeeng gains an allocator API",
         codemod=RouteAllocate,
-    )
+    ))
+
+
+#: The toolkit's seam table plus fakeeng's one seam (the provenance seam applies to every engine).
+FAKEENG_SEAMS = (*REQUIRED_SEAMS, RequiredSeam(ENGINE, "pool-allocate"))
 
 
 def make_registry(patches_root: Path, *extra: Transform) -> Registry:
-    return Registry(codemods=[*CODEMODS, *(extra or (route_allocate(),))],
-                    patches_root=patches_root)
+    return Registry(codemods=[*(codemod_transform(d) for d in CODEMODS),
+                              *(extra or (route_allocate(),))],
+                    patches_root=patches_root, required_seams=FAKEENG_SEAMS)
 
 
 def patch_header(**overrides: str) -> str:
     fields = {
         "Description": "Log every pool take",
+        "Seam": "take-logging",
         "Why": "the test needs a diff-kind transform",
         "Anchor": "fakeeng/pool.py @@ class Pool",
         "Expected-Hits": "1",
@@ -305,3 +313,15 @@ def fakeeng_project(root: Path, *, pins: Mapping[str, str] | None = None,
         ]), encoding="utf-8")
         yield Project(root=root, index=index, matrix=matrix, patches=root / "patches",
                       cache=root / "cache", dist=root / "dist")
+
+
+def registry_duplicate_seam(patches_root: Path) -> Registry:
+    """Two codemods for fakeeng's one seam."""
+    again = replace(route_allocate(), id="route-allocate-again")
+    return make_registry(patches_root, route_allocate(), again)
+
+
+def registry_missing_seam(patches_root: Path) -> Registry:
+    """fakeeng's only codemod implements a seam fakeeng does not require; pool-allocate is
+    left uncovered."""
+    return make_registry(patches_root, replace(route_allocate(), seams=("pool-logging",)))

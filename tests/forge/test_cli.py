@@ -158,7 +158,15 @@ def test_list_transforms_and_check_matrix(tmp_path: Path,
         checked = capsys.readouterr().out
     assert [c["name"] for c in listed] == [CELL]
     assert [a["role"] for a in listed[0]["artifacts"]] == ["wheel", "cpu-wheel"]
-    assert "route-allocate | codemod | 2" in transforms
+    assert "  seam          | id             | kind    | hits | targets\n" in transforms
+    assert "  pool-allocate | route-allocate | codemod | 2    | fakeeng/pool.py\n" in transforms
+    assert ("  route-allocate [pool-allocate]\n"
+            "    description:   Route bare allocate() calls through the kvcached hook.\n"
+            "    anchor:        fakeeng.pool.allocate\n"
+            "    expected hits: 2\n"
+            "    why:           allocations must go through kvcached\n"
+            "    retire when:   fakeeng gains an allocator API\n") in transforms
+    assert "required seams, each covered once: provenance, pool-allocate\n" in transforms
     assert "patch-set fingerprint: " in transforms
     assert checked == "matrix.toml: 1 cells OK (fakeeng-1.0: 2 transforms)\n"
 

@@ -21,8 +21,8 @@ from _fixtures import (
 )
 
 from codemods.base import BuildContext
-from codemods.registry import Kind, Registry
 from forge.errors import TransformError
+from forge.registry import Kind, Registry
 from forge.report import ALREADY_APPLIED, APPLIED
 from forge.transforms import patch_set_fingerprint, run_transforms
 from forge.workspace import VENDOR_BRANCH, Workspace, wheel_workspace
@@ -184,6 +184,23 @@ def test_patch_header_fields_are_required(tmp_path: Path) -> None:
     assert problems[0].endswith("no-why.patch: header lacks Why, Retire-When")
 
 
+def test_patch_header_must_name_its_seam(tmp_path: Path) -> None:
+    patches = tmp_path / "patches"
+    write_patch(patches, "no-seam", unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED),
+                header=patch_header(Seam=""))
+    problems = Registry(codemods=[], patches_root=patches).lint()
+    assert len(problems) == 1
+    assert problems[0].endswith("no-seam.patch: header lacks Seam")
+
+
+def test_a_diff_implements_the_seam_its_header_names(tmp_path: Path) -> None:
+    patches = tmp_path / "patches"
+    write_patch(patches, "log-take", unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED))
+    (diff,) = Registry(codemods=[], patches_root=patches).diffs(ENGINE, "1.0")
+    assert diff.seams == ("take-logging",)
+    assert diff.description == "Log every pool take"
+
+
 def test_patch_hunk_count_must_match_expected_hits(tmp_path: Path) -> None:
     patches = tmp_path / "patches"
     write_patch(patches, "two-claimed", unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED),
@@ -203,7 +220,7 @@ def test_lint_flags_incomplete_codemod_registration(tmp_path: Path) -> None:
 
 
 def test_repository_registry_is_complete() -> None:
-    from codemods.registry import default_registry
+    from forge.registry import default_registry
 
     assert default_registry().lint() == []
 
@@ -222,11 +239,12 @@ def test_fingerprint_covers_ids_sources_and_toolkit(tmp_path: Path) -> None:
 
 def test_fingerprint_covers_the_helper_modules_a_codemod_imports() -> None:
     """A change in a shared helper changes the output, so it must change the fingerprint."""
-    from codemods.registry import CODEMODS_ROOT, default_registry
+    from forge.fingerprint import CODEMODS_ROOT, transform_source
+    from forge.registry import default_registry
 
     registry = default_registry()
     block_pool = next(t for t in registry.codemods if t.id == "vllm-block-pool")
-    source = block_pool.source_bytes()
+    source = transform_source(block_pool)
     assert (CODEMODS_ROOT / "vllm" / "_common.py").read_bytes() in source
     assert (CODEMODS_ROOT / "base.py").read_bytes() in source
     assert (CODEMODS_ROOT / "vllm" / "block_pool.py").read_bytes() in source

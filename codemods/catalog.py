@@ -1,28 +1,15 @@
-"""Every transform, registered and justified.
+"""The catalogue: every codemod with its declaration, and the seams each engine requires.
 
-A codemod is registered below with all its metadata. A diff is registered by its file: the line
-naming it in ``patches/<engine>/<series>/series`` plus the DEP-3 style header at its top
-(see ``patches/README.md``). The transform set of a cell is every registered transform whose
-engine matches (``*`` matches every engine) and whose version range contains the cell's version:
-codemods in registry order, then the diffs in the order of the cell's series file.
+The transform set of a cell is every codemod here whose engine matches (``*`` matches every
+engine) and whose version range contains the cell's version, in this order, then the diffs of
+``patches/<engine>/<series>/series`` (their header names their seam). `python -m forge
+transforms <cell>` shows the set; `python -m forge check-matrix` checks every cell of the
+matrix against ``REQUIRED_SEAMS``: each required seam covered by exactly one transform.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from pathlib import Path
-
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import Version
-from unidiff import PatchSet
-from unidiff.errors import UnidiffParseError
-
-from codemods.base import HitCountingCodemod
+from codemods.declare import ANY_ENGINE, CodemodDeclaration, RequiredSeam
 from codemods.provenance import WriteProvenanceModule
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
@@ -31,283 +18,56 @@ from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
 from codemods.sglang.pool_mha import ElasticMHAPool
 from codemods.sglang.pool_mla import ElasticMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
-from forge.errors import TransformError
+from codemods.vllm import allocate_slots as _vllm_allocate_slots
+from codemods.vllm import block_pool as _vllm_block_pool
+from codemods.vllm import engine_core as _vllm_engine_core
+from codemods.vllm import kv_buffers as _vllm_kv_buffers
 
-ANY_ENGINE = "*"
-PATCHES_ROOT = Path(__file__).resolve().parent.parent / "patches"
-REQUIRED_PATCH_FIELDS = ("Description", "Why", "Anchor", "Expected-Hits", "Retire-When",
-                         "Last-Update")
-_ID = re.compile(r"[a-z0-9][a-z0-9._-]*")
+# --- the seams every build of an engine must cover -----------------------------------------
+# One row per (engine, seam); `versions` is where the seam is required (empty: in every
+# release, so a release older than every transform fails too). A cell with a
+# required seam that no transform covers, or with a seam two transforms cover, is refused by
+# check-matrix, transforms and build.
 
-
-class Kind(StrEnum):
-    CODEMOD = "codemod"
-    DIFF = "diff"
-
-
-@dataclass(frozen=True)
-class ExpectedHits:
-    """An exact count (``1``) or an inclusive range (``2..4``)."""
-
-    low: int
-    high: int
-
-    @classmethod
-    def parse(cls, text: str | int) -> ExpectedHits:
-        raw = str(text).strip()
-        match = re.fullmatch(r"(\d+)(?:\.\.(\d+))?", raw)
-        if not match:
-            raise ValueError(f"expected hits must be N or MIN..MAX, got {raw!r}")
-        low = int(match.group(1))
-        high = int(match.group(2)) if match.group(2) is not None else low
-        if low < 1 or high < low:
-            raise ValueError(f"expected hits must be >= 1 and MIN <= MAX, got {raw!r}")
-        return cls(low, high)
-
-    def __contains__(self, hits: object) -> bool:
-        return isinstance(hits, int) and self.low <= hits <= self.high
-
-    def __str__(self) -> str:
-        return str(self.low) if self.low == self.high else f"{self.low}..{self.high}"
-
-
-@dataclass(frozen=True)
-class Transform:
-    id: str
-    engine: str
-    versions: SpecifierSet
-    kind: Kind
-    anchor: str
-    targets: tuple[str, ...]          # paths in the wheel; "{package}" is the engine package
-    expected_hits: ExpectedHits
-    why: str
-    retire_when: str
-    codemod: type[HitCountingCodemod] | None = None
-    patch: Path | None = None
-    forwarded: str = ""
-    last_update: str = ""
-    description: str = ""
-
-    def applies_to(self, engine: str, version: str) -> bool:
-        return self.engine in (ANY_ENGINE, engine) and Version(version) in self.versions
-
-    def target_paths(self, package: str) -> tuple[str, ...]:
-        return tuple(t.replace("{package}", package) for t in self.targets)
-
-    def source_bytes(self) -> bytes:
-        """The text this transform is made of: its patch file, or its codemod module together
-        with every `codemods` module that module imports (helpers shape the output too)."""
-        if self.patch is not None:
-            return self.patch.read_bytes()
-        if self.codemod is None:
-            raise TransformError(f"transform {self.id} has neither a codemod nor a patch")
-        source_file = inspect.getsourcefile(self.codemod)
-        if source_file is None:
-            raise TransformError(f"transform {self.id}: source of {self.codemod!r} not found")
-        files = _codemod_sources(Path(source_file).resolve())
-        return b"".join(f"{_label(path)}\n".encode() + path.read_bytes() for path in files)
+REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
+    RequiredSeam(ANY_ENGINE, "provenance",
+                 note="every patched build says which build it is"),
+    # vLLM
+    RequiredSeam("vllm", "block-pool"),
+    RequiredSeam("vllm", "allocate-slots-race"),
+    RequiredSeam("vllm", "step-end-release"),
+    RequiredSeam("vllm", "shutdown"),
+    RequiredSeam("vllm", "kv-budget"),
+    RequiredSeam("vllm", "kv-buffers-v1-runner",
+                 note="the V1 GPUModelRunner allocates the KV buffers of every release"),
+    RequiredSeam("vllm", "kv-buffers-v2-runner", ">=0.22",
+                 note="Model Runner V2 exists from 0.12 but is opt-in "
+                      "(VLLM_USE_V2_MODEL_RUNNER=1) until 0.22, which makes it the default "
+                      "for allow-listed architectures (Llama included); from 0.29 the shared "
+                      "allocate_kv_cache serves both runners (vllm-kv-buffers-shared)"),
+    # SGLang
+    RequiredSeam("sglang", "token-allocator"),
+    RequiredSeam("sglang", "paged-allocator"),
+    RequiredSeam("sglang", "mha-pool"),
+    RequiredSeam("sglang", "mla-pool",
+                 note="MLATokenToKVPool exists in every release from 0.4 (buffers built "
+                      "inline in __init__ up to 0.5.5, in _create_buffers from 0.5.6)"),
+    RequiredSeam("sglang", "capacity"),
+    RequiredSeam("sglang", "prefix-cache-bound"),
+    RequiredSeam("sglang", "config-guard"),
+)
 
 
-CODEMODS_ROOT = Path(__file__).resolve().parent
+# --- the codemods, in application order ------------------------------------------------------
 
-
-def _codemod_sources(module: Path) -> list[Path]:
-    """`module` and the `codemods` modules it imports, transitively, in a stable order."""
-    seen: set[Path] = set()
-    pending = [module]
-    while pending:
-        path = pending.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        package = (path.parent.relative_to(CODEMODS_ROOT.parent).parts
-                   if path.is_relative_to(CODEMODS_ROOT) else ())
-        for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and (package or not node.level):
-                base = package[:len(package) - node.level + 1] if node.level else ()
-                module_name = ".".join((*base, *(node.module or "").split("."))).strip(".")
-                names = [module_name] + [f"{module_name}.{a.name}" for a in node.names]
-            for name in names:
-                parts = name.split(".")
-                if parts[0] != CODEMODS_ROOT.name:
-                    continue
-                candidate = CODEMODS_ROOT.parent.joinpath(*parts)
-                for found in (candidate.with_suffix(".py"), candidate / "__init__.py"):
-                    if found.is_file():
-                        pending.append(found)
-    return sorted(seen)
-
-
-def _label(path: Path) -> str:
-    return str(path.relative_to(CODEMODS_ROOT.parent)) if path.is_relative_to(
-        CODEMODS_ROOT.parent) else path.name
-
-
-def codemod(*, id: str, engine: str, versions: str, anchor: str, targets: Sequence[str],
-            expected_hits: str | int, why: str, retire_when: str,
-            codemod: type[HitCountingCodemod], forwarded: str = "",
-            last_update: str = "") -> Transform:
-    """Register a codemod (the metadata is checked again by ``Registry.lint``)."""
-    return Transform(
-        id=id, engine=engine, versions=SpecifierSet(versions), kind=Kind.CODEMOD,
-        anchor=anchor, targets=tuple(targets), expected_hits=ExpectedHits.parse(expected_hits),
-        why=why, retire_when=retire_when, codemod=codemod, forwarded=forwarded,
-        last_update=last_update, description=(codemod.__doc__ or "").strip().splitlines()[0]
-        if codemod.__doc__ else "",
-    )
-
-
-@dataclass
-class Registry:
-    codemods: list[Transform]
-    patches_root: Path = PATCHES_ROOT
-    _diff_cache: dict[tuple[str, str], list[Transform]] = field(default_factory=dict, repr=False)
-
-    def transforms_for(self, engine: str, series: str, version: str) -> list[Transform]:
-        """The transform set of a cell, in application order."""
-        selected = [t for t in self.codemods if t.applies_to(engine, version)]
-        selected += [t for t in self.diffs(engine, series) if t.applies_to(engine, version)]
-        return selected
-
-    def series_file(self, engine: str, series: str) -> Path:
-        return self.patches_root / engine / series / "series"
-
-    def diffs(self, engine: str, series: str) -> list[Transform]:
-        """The diffs of ``patches/<engine>/<series>/series``, in series order."""
-        key = (engine, series)
-        if key not in self._diff_cache:
-            self._diff_cache[key] = [
-                load_patch(path, engine, series)
-                for path in _series_entries(self.series_file(engine, series))
-            ]
-        return self._diff_cache[key]
-
-    def all_series(self) -> list[tuple[str, str]]:
-        if not self.patches_root.is_dir():
-            return []
-        return sorted(
-            (path.parent.parent.name, path.parent.name)
-            for path in self.patches_root.glob("*/*/series")
-        )
-
-    def lint(self) -> list[str]:
-        """Problems in the registry, one line each; empty when every transform is complete."""
-        problems: list[str] = []
-        transforms: list[Transform] = list(self.codemods)
-        for engine, series in self.all_series():
-            try:
-                transforms += self.diffs(engine, series)
-            except TransformError as exc:
-                problems.append(str(exc))
-        seen: set[str] = set()
-        for transform in transforms:
-            where = f"transform {transform.id or '<no id>'}"
-            if not _ID.fullmatch(transform.id):
-                problems.append(f"{where}: id must be lower-case letters, digits, '.', '_', '-'")
-            if transform.id in seen:
-                problems.append(f"{where}: id registered twice")
-            seen.add(transform.id)
-            for name in ("engine", "anchor", "why", "retire_when"):
-                if not str(getattr(transform, name)).strip():
-                    problems.append(f"{where}: field {name!r} is empty")
-            if not transform.targets:
-                problems.append(f"{where}: no target files")
-            if transform.kind is Kind.CODEMOD and not (
-                isinstance(transform.codemod, type)
-                and issubclass(transform.codemod, HitCountingCodemod)
-            ):
-                problems.append(f"{where}: codemod must subclass HitCountingCodemod")
-        return problems
-
-
-def _series_entries(series_file: Path) -> list[Path]:
-    if not series_file.exists():
-        return []
-    entries: list[Path] = []
-    for number, line in enumerate(series_file.read_text(encoding="utf-8").splitlines(), 1):
-        name = line.split("#", 1)[0].strip()
-        if not name:
-            continue
-        path = series_file.parent / name
-        if not path.is_file():
-            raise TransformError(f"{series_file}:{number}: patch {name!r} does not exist")
-        entries.append(path)
-    return entries
-
-
-def parse_patch_header(text: str) -> dict[str, str]:
-    """DEP-3 style ``Field: value`` lines (indented lines continue a value) before the diff."""
-    fields: dict[str, str] = {}
-    current: str | None = None
-    for line in text.splitlines():
-        if line.startswith(("diff --git ", "--- ", "Index: ")):
-            break
-        if line[:1] in (" ", "\t") and current is not None:
-            fields[current] += "\n" + line.strip()
-            continue
-        match = re.match(r"([A-Za-z][A-Za-z0-9-]*):\s*(.*)", line)
-        if match:
-            current = match.group(1)
-            fields[current] = match.group(2).strip()
-        else:
-            current = None
-    return fields
-
-
-def load_patch(path: Path, engine: str, series: str) -> Transform:
-    """Register one diff from its header; every fault names the file."""
-    raw = path.read_bytes()
-    text = raw.decode("utf-8")
-    where = f"patch {path}"
-    if b"\r\n" in raw:
-        raise TransformError(f"{where}: has CRLF line endings")
-    if not text.endswith("\n"):
-        raise TransformError(f"{where}: does not end with a newline")
-    header = parse_patch_header(text)
-    missing = [name for name in REQUIRED_PATCH_FIELDS if not header.get(name, "").strip()]
-    if missing:
-        raise TransformError(f"{where}: header lacks {', '.join(missing)}")
-    try:
-        expected = ExpectedHits.parse(header["Expected-Hits"])
-        versions = SpecifierSet(header.get("Applies-To") or f"=={series}.*")
-    except (ValueError, InvalidSpecifier) as exc:
-        raise TransformError(f"{where}: {exc}") from None
-    try:
-        patch_set = PatchSet.from_string(text)
-    except UnidiffParseError as exc:
-        raise TransformError(f"{where}: not a valid unified diff: {exc}") from None
-    targets = tuple(_strip_prefix(f.target_file if not f.is_removed_file else f.source_file)
-                    for f in patch_set)
-    if not targets:
-        raise TransformError(f"{where}: contains no file changes")
-    hunks = sum(len(f) for f in patch_set)
-    if hunks not in expected:
-        raise TransformError(f"{where}: has {hunks} hunks, header Expected-Hits says {expected}")
-    return Transform(
-        id=path.stem, engine=engine, versions=versions, kind=Kind.DIFF,
-        anchor=header["Anchor"], targets=targets, expected_hits=expected,
-        why=header["Why"], retire_when=header["Retire-When"], patch=path,
-        forwarded=header.get("Forwarded", ""), last_update=header["Last-Update"],
-        description=header["Description"],
-    )
-
-
-def _strip_prefix(name: str) -> str:
-    return name[2:] if name.startswith(("a/", "b/")) else name
-
-
-# --- the registered codemods, in application order -------------------------------------------
-
-CODEMODS: list[Transform] = [
-    codemod(
+CODEMODS: list[CodemodDeclaration] = [
+    CodemodDeclaration(
         id="provenance",
+        seam="provenance",
         engine=ANY_ENGINE,
         versions="",
         anchor="file {package}/_kvcached_build.py (new module)",
-        targets=["{package}/_kvcached_build.py"],
+        targets=("{package}/_kvcached_build.py",),
         expected_hits=1,
         why="A running engine must be able to say which patched build it is (cell, base "
             "artifact and sha256, transforms, patch-set fingerprint).",
@@ -338,12 +98,13 @@ _SGLANG_05 = ">=0.5.23,<0.5.24"
 _SGLANG_DATE = "2026-11-30"
 
 CODEMODS += [
-    codemod(
+    CodemodDeclaration(
         id="sglang-token-allocator",
+        seam="token-allocator",
         engine="sglang",
         versions=_SGLANG_05,
         anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator",
-        targets=["{package}/srt/mem_cache/allocator/token.py"],
+        targets=("{package}/srt/mem_cache/allocator/token.py",),
         expected_hits=1,
         why="Page-size-1 slots must come from the kvcached ledger so KV pages map on demand "
             "and unmap when empty; rebinding in the defining module reaches the 4 modules "
@@ -354,12 +115,13 @@ CODEMODS += [
         forwarded="no",
         last_update=_SGLANG_DATE,
     ),
-    codemod(
+    CodemodDeclaration(
         id="sglang-paged-allocator",
+        seam="paged-allocator",
         engine="sglang",
         versions=_SGLANG_05,
         anchor="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator",
-        targets=["{package}/srt/mem_cache/allocator/paged.py"],
+        targets=("{package}/srt/mem_cache/allocator/paged.py",),
         expected_hits=1,
         why="Paged extend/decode must take their new pages from the kvcached ledger (SGLang's "
             "own location kernels still place the tokens); every free path ends in "
@@ -370,12 +132,13 @@ CODEMODS += [
         forwarded="no",
         last_update=_SGLANG_DATE,
     ),
-    codemod(
+    CodemodDeclaration(
         id="sglang-mha-pool",
+        seam="mha-pool",
         engine="sglang",
         versions=_SGLANG_05,
         anchor="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
-        targets=["{package}/srt/mem_cache/memory_pool.py"],
+        targets=("{package}/srt/mem_cache/memory_pool.py",),
         expected_hits=1,
         why="The fused per-layer (2, rows, H, D) K/V buffers of 0.5.23 must be views of "
             "VMM-backed tensors (same shapes and strides, data pointers fixed for the pool's "
@@ -386,12 +149,13 @@ CODEMODS += [
         forwarded="no",
         last_update=_SGLANG_DATE,
     ),
-    codemod(
+    CodemodDeclaration(
         id="sglang-mla-pool",
+        seam="mla-pool",
         engine="sglang",
         versions=_SGLANG_05,
         anchor="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool._create_buffers",
-        targets=["{package}/srt/mem_cache/memory_pool.py"],
+        targets=("{package}/srt/mem_cache/memory_pool.py",),
         expected_hits=1,
         why="MLA latent buffers (rows, 1, kv_lora_rank + rope) must be views of VMM-backed "
             "tensors like the MHA ones.",
@@ -400,13 +164,14 @@ CODEMODS += [
         forwarded="no",
         last_update=_SGLANG_DATE,
     ),
-    codemod(
+    CodemodDeclaration(
         id="sglang-kv-budget",
+        seam="capacity",
         engine="sglang",
         versions=_SGLANG_05,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
                "._profile_available_bytes (each return)",
-        targets=["{package}/srt/mem_cache/kv_cache_configurator.py"],
+        targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
         expected_hits=1,
         why="Pool capacity must come from the kvcached budget (KVCACHED_PHYSICAL_LIMIT), so "
             "the logical capacity the allocator reports can always be backed.",
@@ -415,12 +180,13 @@ CODEMODS += [
         forwarded="no",
         last_update=_SGLANG_DATE,
     ),
-    codemod(
+    CodemodDeclaration(
         id="sglang-refuse-unsupported",
+        seam="config-guard",
         engine="sglang",
         versions=_SGLANG_05,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
-        targets=["{package}/srt/mem_cache/kv_cache_configurator.py"],
+        targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
         expected_hits=1,
         why="The memory saver, custom memory pools, post-capture KV sizing and hybrid pools "
             "own or resize KV memory themselves; with elastic memory they must stop start-up "
@@ -430,12 +196,13 @@ CODEMODS += [
         forwarded="not-needed",
         last_update=_SGLANG_DATE,
     ),
-    codemod(
+    CodemodDeclaration(
         id="sglang-prefix-cache-bound",
+        seam="prefix-cache-bound",
         engine="sglang",
         versions=_SGLANG_05,
         anchor="sglang.srt.mem_cache.common.release_kv_cache",
-        targets=["{package}/srt/mem_cache/common.py"],
+        targets=("{package}/srt/mem_cache/common.py",),
         expected_hits=1,
         why="A finished request's KV stays in the prefix cache (UnifiedRadixCache or "
             "RadixCache) and pins its pages; bounding the evictable part after every release "
@@ -454,20 +221,16 @@ CODEMODS += [
 # range and the rewritten call site passes what differs. The adapter they call is
 # kvcached_core/integration/vllm.
 
-from codemods.vllm import allocate_slots as _vllm_allocate_slots  # noqa: E402
-from codemods.vllm import block_pool as _vllm_block_pool  # noqa: E402
-from codemods.vllm import engine_core as _vllm_engine_core  # noqa: E402
-from codemods.vllm import kv_buffers as _vllm_kv_buffers  # noqa: E402
-
 _VLLM_REVIEWED = "2026-12-01"
 
 CODEMODS += [
-    codemod(
+    CodemodDeclaration(
         id="vllm-block-pool",
+        seam="block-pool",
         engine="vllm",
         versions=">=0.9.2,<0.33",
         anchor="vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.__init__: BlockPool(...)",
-        targets=["{package}/v1/core/kv_cache_coordinator.py"],
+        targets=("{package}/v1/core/kv_cache_coordinator.py",),
         expected_hits=1,
         why="The scheduler's blocks must be physically backed page by page by kvcached_core: "
             "the coordinator builds the adapter's elastic subclass of the BlockPool class it "
@@ -478,12 +241,13 @@ CODEMODS += [
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-allocate-slots-race",
+        seam="allocate-slots-race",
         engine="vllm",
         versions=">=0.9.2,<0.33",
         anchor="vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots (decorator)",
-        targets=["{package}/v1/core/kv_cache_manager.py"],
+        targets=("{package}/v1/core/kv_cache_manager.py",),
         expected_hits=1,
         why="Another engine may take the last physical page between the capacity check and the "
             "allocation; PoolExhausted must end as a rolled-back None (preempt or wait), while "
@@ -494,13 +258,14 @@ CODEMODS += [
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-engine-step-release",
+        seam="step-end-release",
         engine="vllm",
         versions=">=0.9.2,<0.33",
         anchor="vllm.v1.engine.core.EngineCore.step, EngineCore.step_with_batch_queue "
                "(decorators)",
-        targets=["{package}/v1/engine/core.py"],
+        targets=("{package}/v1/engine/core.py",),
         expected_hits=2,
         why="Pages may be unmapped only after every queued batch that may read them finished: "
             "idle pages are retired and released by epoch at the end of each engine step, and "
@@ -511,12 +276,13 @@ CODEMODS += [
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-engine-shutdown",
+        seam="shutdown",
         engine="vllm",
         versions=">=0.9.2,<0.33",
         anchor="vllm.v1.engine.core.EngineCore.shutdown (decorator)",
-        targets=["{package}/v1/engine/core.py"],
+        targets=("{package}/v1/engine/core.py",),
         expected_hits=1,
         why="Shutdown must release every page and remove the pool's shared-memory limit record.",
         retire_when="vLLM calls a KV-cache allocator's close hook on shutdown.",
@@ -524,13 +290,14 @@ CODEMODS += [
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-kv-budget",
+        seam="kv-budget",
         engine="vllm",
         versions=">=0.9.2,<0.10.2",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
-        targets=["{package}/v1/engine/core.py"],
+        targets=("{package}/v1/engine/core.py",),
         expected_hits=1,
         why="The virtual KV size (what vLLM sizes its block table from) and the physical limit "
             "are separate kvcached settings; num_gpu_blocks_override wins; blocks are rounded "
@@ -540,13 +307,14 @@ CODEMODS += [
         forwarded="not-needed",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-kv-budget-user-bytes",
+        seam="kv-budget",
         engine="vllm",
         versions=">=0.10.2,<0.33",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
-        targets=["{package}/v1/engine/core.py"],
+        targets=("{package}/v1/engine/core.py",),
         expected_hits=1,
         why="As vllm-kv-budget, and the user's kv_cache_memory_bytes (new in 0.10.2) wins too.",
         retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
@@ -555,13 +323,14 @@ CODEMODS += [
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-kv-buffers-per-layer",
+        seam="kv-buffers-v1-runner",
         engine="vllm",
         versions=">=0.9.2,<0.12",
         anchor="vllm.v1.worker.gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors: "
                "torch.zeros(..., dtype=torch.int8, ...)",
-        targets=["{package}/v1/worker/gpu_model_runner.py"],
+        targets=("{package}/v1/worker/gpu_model_runner.py",),
         expected_hits=1,
         why="The attention kernels must read VMM-backed KV buffers with exactly the stock byte "
             "layout (K/V planes per layer), mapped page by page as blocks are used.",
@@ -570,13 +339,14 @@ CODEMODS += [
         forwarded="not-needed",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-kv-buffers-tensors",
+        seam="kv-buffers-v1-runner",
         engine="vllm",
         versions=">=0.24,<0.29",
         anchor="vllm.v1.worker.gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors: "
                "torch.zeros(..., dtype=torch.int8, ...) (per KVCacheTensor, packed backing)",
-        targets=["{package}/v1/worker/gpu_model_runner.py"],
+        targets=("{package}/v1/worker/gpu_model_runner.py",),
         expected_hits=2,
         why="The V1 runner's KV buffers (one per KVCacheTensor, or the one packed backing of "
             "every layer when block_stride > 0) must be VMM-backed with exactly the stock bytes "
@@ -587,14 +357,15 @@ CODEMODS += [
         forwarded="not-needed",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-kv-buffers-mrv2",
+        seam="kv-buffers-v2-runner",
         engine="vllm",
         versions=">=0.24,<0.29",
         anchor="vllm.v1.worker.gpu.attn_utils._allocate_kv_cache: torch.zeros(..., "
                "dtype=torch.int8, ...) x2, its new attn_groups parameter, and the call in "
                "init_kv_cache",
-        targets=["{package}/v1/worker/gpu/attn_utils.py"],
+        targets=("{package}/v1/worker/gpu/attn_utils.py",),
         expected_hits=4,
         why="Model Runner V2 (the default runner for allow-listed architectures, Llama "
             "included, from 0.22) allocates its own KV buffers; they must be VMM-backed like "
@@ -606,12 +377,14 @@ CODEMODS += [
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
-    codemod(
+    CodemodDeclaration(
         id="vllm-kv-buffers-shared",
+        seam="kv-buffers-v1-runner",
+        also_covers=("kv-buffers-v2-runner",),
         engine="vllm",
         versions=">=0.29,<0.33",
         anchor="vllm.v1.worker.utils.allocate_kv_cache: torch.zeros(..., dtype=torch.int8, ...)",
-        targets=["{package}/v1/worker/utils.py"],
+        targets=("{package}/v1/worker/utils.py",),
         expected_hits=1,
         why="The one backing buffer of every layer must be VMM-backed with the byte layout the "
             "resolved KVCacheLayout expects (layer- or block-outermost), mapped by page.",
@@ -622,8 +395,3 @@ CODEMODS += [
         last_update=_VLLM_REVIEWED,
     ),
 ]
-
-
-def default_registry(patches_root: Path = PATCHES_ROOT,
-                     extra: Iterable[Transform] = ()) -> Registry:
-    return Registry(codemods=[*CODEMODS, *extra], patches_root=patches_root)
