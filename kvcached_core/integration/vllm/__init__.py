@@ -1,7 +1,7 @@
 """kvcached for vLLM: what the call sites written into a patched vLLM call.
 
 Every name here is called from a place a registered transform rewrote (see
-`codemods/registry.py`); anything that differs between vLLM versions is passed in by that call
+`codemods/catalog.py`, `docs/seams.md`); anything that differs between vLLM versions is passed in by that call
 site, so this package holds no version checks.
 """
 
