@@ -624,6 +624,70 @@ CODEMODS += [
 ]
 
 
+# --- vLLM: start-up memory checks next to elastic neighbours (cells vllm-0.9, -0.25, -0.32) --
+# One contiguous block: the two comparisons of the GPU worker that refuse an engine whose
+# neighbours' memory moves while it starts. Adapter: integration/vllm/startup_memory.py.
+
+from codemods.vllm import startup_memory as _vllm_startup_memory  # noqa: E402
+
+_VLLM_STARTUP_REVIEWED = "2026-12-01"
+
+CODEMODS += [
+    codemod(
+        id="vllm-startup-free-memory-worker",
+        engine="vllm",
+        versions=">=0.9.2,<0.10",
+        anchor="vllm.v1.worker.gpu_worker.Worker.init_device: "
+               "self.init_snapshot.free_memory < self.requested_memory",
+        targets=["{package}/v1/worker/gpu_worker.py"],
+        expected_hits=1,
+        why="An elastic engine claims neither its KV share nor its neighbours' idle KV up "
+            "front: the start-up check must count what elastic neighbours give back and leave "
+            "the engine's own unbacked KV out, and stay the stock comparison when not elastic.",
+        retire_when="vLLM lets a KV-cache allocator report the memory it needs at start "
+                    "(or drops the free-memory check for engines that do not preallocate KV).",
+        codemod=_vllm_startup_memory.ElasticStartupFreeMemoryCheck,
+        forwarded="no",
+        last_update=_VLLM_STARTUP_REVIEWED,
+    ),
+    codemod(
+        id="vllm-startup-free-memory",
+        engine="vllm",
+        versions=">=0.25,<0.33",
+        anchor="vllm.v1.worker.utils.request_memory: init_snapshot.free_memory < "
+               "requested_memory (and < engine_memory where weights are held outside, 0.32)",
+        targets=["{package}/v1/worker/utils.py"],
+        expected_hits="1..2",
+        why="As vllm-startup-free-memory-worker; the check moved into request_memory, and 0.32 "
+            "compares a second time when weights are held outside the process.",
+        retire_when="vLLM lets a KV-cache allocator report the memory it needs at start "
+                    "(or drops the free-memory check for engines that do not preallocate KV).",
+        codemod=_vllm_startup_memory.ElasticStartupFreeMemoryCheck,
+        forwarded="no",
+        last_update=_VLLM_STARTUP_REVIEWED,
+    ),
+    codemod(
+        id="vllm-memory-profile-check",
+        engine="vllm",
+        versions=">=0.9.2,<0.33",
+        anchor="vllm.v1.worker.gpu_worker.Worker.determine_available_memory: "
+               "assert <initial free> >= free_gpu_memory ('Error in memory profiling')",
+        targets=["{package}/v1/worker/gpu_worker.py"],
+        expected_hits=1,
+        why="An elastic neighbour that gives pages back (or finishes its own profile run) "
+            "while this engine profiles raises free memory, which the stock assertion takes for "
+            "a profiling error and stops the engine; the elastic profile only sizes KV address "
+            "space, so the rise is accepted while room for the first KV pages is still required.",
+        retire_when="vLLM measures the profile run with per-process memory instead of "
+                    "device-wide free memory.",
+        codemod=_vllm_startup_memory.ElasticMemoryProfileCheck,
+        forwarded="no",
+        last_update=_VLLM_STARTUP_REVIEWED,
+    ),
+]
+# --- end of vLLM start-up memory checks -------------------------------------------------------
+
+
 def default_registry(patches_root: Path = PATCHES_ROOT,
                      extra: Iterable[Transform] = ()) -> Registry:
     return Registry(codemods=[*CODEMODS, *extra], patches_root=patches_root)

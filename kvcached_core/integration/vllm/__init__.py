@@ -23,6 +23,7 @@ from kvcached_core.integration.vllm.kv_buffers import (
     shared_kv_buffer,
 )
 from kvcached_core.integration.vllm.pools import EnginePool, engine_pools
+from kvcached_core.integration.vllm.startup_memory import *  # noqa: F403
 
 __all__ = [
     "ElasticBlockPoolMixin",
