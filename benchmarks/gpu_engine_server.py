@@ -87,7 +87,8 @@ def serve(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = dict(model=args.model, seed=0, disable_log_stats=True)
+    # Stats on: without them vLLM leaves RequestOutput.metrics (and so TTFT) empty.
+    kwargs: dict[str, Any] = dict(model=args.model, seed=0, disable_log_stats=False)
     kwargs.update(json.loads(args.llm_kwargs))
     started = time.perf_counter()
     try:
