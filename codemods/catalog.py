@@ -22,6 +22,7 @@ from codemods.vllm import allocate_slots as _vllm_allocate_slots
 from codemods.vllm import block_pool as _vllm_block_pool
 from codemods.vllm import engine_core as _vllm_engine_core
 from codemods.vllm import kv_buffers as _vllm_kv_buffers
+from codemods.vllm import startup_memory as _vllm_startup_memory
 
 # --- the seams every build of an engine must cover -----------------------------------------
 # One row per (engine, seam); `versions` is where the seam is required (empty: in every
@@ -38,6 +39,10 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("vllm", "step-end-release"),
     RequiredSeam("vllm", "shutdown"),
     RequiredSeam("vllm", "kv-budget"),
+    RequiredSeam("vllm", "startup-free-memory",
+                 note="the GPU worker refuses to start when free memory is below its share"),
+    RequiredSeam("vllm", "memory-profile-check",
+                 note="the profile run asserts that device free memory did not rise"),
     RequiredSeam("vllm", "kv-buffers-v1-runner",
                  note="the V1 GPUModelRunner allocates the KV buffers of every release"),
     RequiredSeam("vllm", "kv-buffers-v2-runner", ">=0.22",
@@ -391,6 +396,62 @@ CODEMODS += [
         retire_when="vLLM's kv_cache_allocation_context can supply a page-on-demand allocator "
                     "for the backing buffer (then pass it instead of rewriting the call).",
         codemod=_vllm_kv_buffers.SharedKVBuffer,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    # Start-up memory checks of the GPU worker: next to elastic neighbours whose memory moves
+    # while this engine starts (adapter: integration/vllm/startup_memory.py).
+    CodemodDeclaration(
+        id="vllm-startup-free-memory-worker",
+        seam="startup-free-memory",
+        engine="vllm",
+        versions=">=0.9.2,<0.10",
+        anchor="vllm.v1.worker.gpu_worker.Worker.init_device: "
+               "self.init_snapshot.free_memory < self.requested_memory",
+        targets=("{package}/v1/worker/gpu_worker.py",),
+        expected_hits=1,
+        why="An elastic engine claims neither its KV share nor its neighbours' idle KV up "
+            "front: the start-up check must count what elastic neighbours give back and leave "
+            "the engine's own unbacked KV out, and stay the stock comparison when not elastic.",
+        retire_when="vLLM lets a KV-cache allocator report the memory it needs at start "
+                    "(or drops the free-memory check for engines that do not preallocate KV).",
+        codemod=_vllm_startup_memory.ElasticStartupFreeMemoryCheck,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-startup-free-memory",
+        seam="startup-free-memory",
+        engine="vllm",
+        versions=">=0.25,<0.33",
+        anchor="vllm.v1.worker.utils.request_memory: init_snapshot.free_memory < "
+               "requested_memory (and < engine_memory where weights are held outside, 0.32)",
+        targets=("{package}/v1/worker/utils.py",),
+        expected_hits="1..2",
+        why="As vllm-startup-free-memory-worker; the check moved into request_memory, and 0.32 "
+            "compares a second time when weights are held outside the process.",
+        retire_when="vLLM lets a KV-cache allocator report the memory it needs at start "
+                    "(or drops the free-memory check for engines that do not preallocate KV).",
+        codemod=_vllm_startup_memory.ElasticStartupFreeMemoryCheck,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-memory-profile-check",
+        seam="memory-profile-check",
+        engine="vllm",
+        versions=">=0.9.2,<0.33",
+        anchor="vllm.v1.worker.gpu_worker.Worker.determine_available_memory: "
+               "assert <initial free> >= free_gpu_memory ('Error in memory profiling')",
+        targets=("{package}/v1/worker/gpu_worker.py",),
+        expected_hits=1,
+        why="An elastic neighbour that gives pages back (or finishes its own profile run) "
+            "while this engine profiles raises free memory, which the stock assertion takes for "
+            "a profiling error and stops the engine; the elastic profile only sizes KV address "
+            "space, so the rise is accepted while room for the first KV pages is still required.",
+        retire_when="vLLM measures the profile run with per-process memory instead of "
+                    "device-wide free memory.",
+        codemod=_vllm_startup_memory.ElasticMemoryProfileCheck,
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),

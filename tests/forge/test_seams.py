@@ -24,7 +24,8 @@ CELL = "fakeeng-1.0"
 SHA = "ab" * 32
 
 VLLM_SEAMS = ["provenance", "block-pool", "allocate-slots-race", "step-end-release", "shutdown",
-              "kv-budget", "kv-buffers-v1-runner", "kv-buffers-v2-runner"]
+              "kv-budget", "startup-free-memory", "memory-profile-check",
+              "kv-buffers-v1-runner", "kv-buffers-v2-runner"]
 SGLANG_SEAMS = ["provenance", "token-allocator", "paged-allocator", "mha-pool", "mla-pool",
                 "capacity", "prefix-cache-bound", "config-guard"]
 
@@ -123,8 +124,8 @@ def test_a_vllm_release_without_a_kv_buffer_transform_fails_in_every_command(
     series = version.rsplit(".", 1)[0]
     matrix = probe_matrix(tmp_path / "matrix.toml", "vllm", series, version)
     cell = f"vllm-{series}"
-    expected = (f"cell {cell}: required seam kv-buffers-v1-runner has no transform for "
-                f"vllm {version}")
+    expected = (f"cell {cell}: required seams startup-free-memory, kv-buffers-v1-runner have "
+                f"no transform for vllm {version}")
     assert one_error_line(["check-matrix", "--matrix", str(matrix)], capsys) == expected
     assert one_error_line(["transforms", cell, "--matrix", str(matrix)], capsys) == expected
     assert one_error_line(["build", cell, "--matrix", str(matrix), "--cache-dir",
@@ -138,8 +139,8 @@ def test_vllm_0_22_misses_both_runners(tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     matrix = probe_matrix(tmp_path / "matrix.toml", "vllm", "0.22", "0.22.1")
     assert one_error_line(["check-matrix", "--matrix", str(matrix)], capsys) == (
-        "cell vllm-0.22: required seams kv-buffers-v1-runner, kv-buffers-v2-runner have no "
-        "transform for vllm 0.22.1")
+        "cell vllm-0.22: required seams startup-free-memory, kv-buffers-v1-runner, "
+        "kv-buffers-v2-runner have no transform for vllm 0.22.1")
 
 
 def test_a_release_older_than_every_transform_misses_its_seams(
@@ -147,7 +148,8 @@ def test_a_release_older_than_every_transform_misses_its_seams(
     matrix = probe_matrix(tmp_path / "matrix.toml", "vllm", "0.8", "0.8.5")
     message = one_error_line(["check-matrix", "--matrix", str(matrix)], capsys)
     assert message == ("cell vllm-0.8: required seams block-pool, allocate-slots-race, "
-                       "step-end-release, shutdown, kv-budget, kv-buffers-v1-runner have no "
+                       "step-end-release, shutdown, kv-budget, startup-free-memory, "
+                       "memory-profile-check, kv-buffers-v1-runner have no "
                        "transform for vllm 0.8.5")
 
 
@@ -230,6 +232,8 @@ def test_transforms_lists_each_seam_of_a_real_cell(capsys: pytest.CaptureFixture
         ("step-end-release", "vllm-engine-step-release"), ("shutdown", "vllm-engine-shutdown"),
         ("kv-budget", "vllm-kv-budget-user-bytes"),
         ("kv-buffers-v1-runner + kv-buffers-v2-runner", "vllm-kv-buffers-shared"),
+        ("startup-free-memory", "vllm-startup-free-memory"),
+        ("memory-profile-check", "vllm-memory-profile-check"),
     ]
     assert "    description:   allocate_kv_cache: torch.zeros -> shared_kv_buffer\n" in out
     assert f"required seams, each covered once: {', '.join(VLLM_SEAMS)}\n" in out

@@ -1,8 +1,8 @@
 """kvcached for vLLM: what the call sites written into a patched vLLM call.
 
 Every name here is called from a place a registered transform rewrote (see
-`codemods/catalog.py`, `docs/seams.md`); anything that differs between vLLM versions is passed in by that call
-site, so this package holds no version checks.
+`codemods/catalog.py` and `docs/seams.md`); anything that differs between vLLM versions is
+passed in by that call site, so this package holds no version checks.
 """
 
 from kvcached_core.integration.vllm.block_pool import (
@@ -23,6 +23,10 @@ from kvcached_core.integration.vllm.kv_buffers import (
     shared_kv_buffer,
 )
 from kvcached_core.integration.vllm.pools import EnginePool, engine_pools
+from kvcached_core.integration.vllm.startup_memory import (
+    memory_profile_consistent,
+    startup_memory_short,
+)
 
 __all__ = [
     "ElasticBlockPoolMixin",
@@ -34,9 +38,11 @@ __all__ = [
     "engine_settings",
     "kv_cache_budget",
     "kv_tensor_buffer",
+    "memory_profile_consistent",
     "make_block_pool",
     "none_on_pool_exhausted",
     "per_layer_kv_buffer",
     "released_after_step",
     "shared_kv_buffer",
+    "startup_memory_short",
 ]

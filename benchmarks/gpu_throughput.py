@@ -1,0 +1,230 @@
+"""Patched against stock vLLM throughput on one GPU, alternated often enough to see 3%.
+
+For each configuration (runner V2 or V1, eager or CUDA graphs) a stock engine and one patched
+engine per KV layout run side by side on the GPU, and bursts alternate between them in an
+ABBA order (stock, patched, patched, stock, ...) `--bursts` times each, so slow drift of the
+machine falls on both alike. A model of 1-3 B parameters with random weights
+(`load_format="dummy"`: only config.json and the tokenizer are read) makes GPU work dominate
+each step. Reported per configuration and layout:
+
+- throughput ratio patched / stock: the median of the per-pair ratios (burst i of patched
+  over burst i of stock) with a bootstrap 95% confidence interval;
+- TTFT p50 ratio (medians of the bursts' p50s);
+- reserve-pool hit rate over the measured bursts, with the physical limit holding the working
+  set plus the largest reserve; mean map time per logical page.
+
+Targets: throughput >= 0.97 x stock, TTFT p50 <= 1.05 x, hit rate >= 0.99.
+
+    python benchmarks/gpu_throughput.py --model DIR --stock-site DIR --patched-site DIR \\
+        --out DIR [--configs v2-eager,v2-graphs,v1-eager,v1-graphs] [--bursts 20]
+
+`--deadline-s` stops starting configurations that would not finish in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_engine_server import EngineProcess, EngineSpec, engine_environment  # noqa: E402
+
+MIB = 1 << 20
+
+# name -> (extra environment, enforce_eager)
+CONFIGS: dict[str, tuple[dict[str, str], bool]] = {
+    "v2-eager": ({}, True),
+    "v2-graphs": ({}, False),
+    "v1-eager": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, True),
+    "v1-graphs": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, False),
+}
+
+
+def abba_order(names: list[str], rounds: int) -> list[str]:
+    """Each name `rounds` times; every round visits the names forwards, then backwards, so
+    that no engine always runs right after the same neighbour."""
+    order: list[str] = []
+    for index in range(rounds):
+        order += names if index % 2 == 0 else list(reversed(names))
+    return order
+
+
+def bootstrap_median_ci(values: list[float], *, resamples: int = 4000, seed: int = 0,
+                        level: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high): a percentile bootstrap interval of the median."""
+    if not values:
+        nan = float("nan")
+        return nan, nan, nan
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    tail = (1 - level) / 2
+    low = medians[int(tail * resamples)]
+    high = medians[min(resamples - 1, int((1 - tail) * resamples))]
+    return statistics.median(values), low, high
+
+
+def paired_ratios(patched: list[float], stock: list[float]) -> list[float]:
+    return [p / s for p, s in zip(patched, stock, strict=False) if s > 0]
+
+
+def summarize(bursts: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
+    """Ratios of every patched engine against `stock`, from the bursts after `warmup`."""
+    measured = {name: [b for b in runs[warmup:] if b.get("event") == "burst"]
+                for name, runs in bursts.items()}
+    stock = measured.get("stock", [])
+    stock_tput = [b["tokens"] / b["seconds"] for b in stock]
+    stock_ttft = [b["ttft_p50"] for b in stock if b.get("ttft_p50") is not None]
+    summary: dict[str, Any] = {"stock": {
+        "bursts": len(stock), "throughput_median_tok_s": round(statistics.median(stock_tput), 1)
+        if stock_tput else None}}
+    for name, runs in measured.items():
+        if name == "stock":
+            continue
+        tput = [b["tokens"] / b["seconds"] for b in runs]
+        median, low, high = bootstrap_median_ci(paired_ratios(tput, stock_tput))
+        ttft = [b["ttft_p50"] for b in runs if b.get("ttft_p50") is not None]
+        hits = sum(b.get("reserve_hits", 0) for b in runs)
+        misses = sum(b.get("reserve_misses", 0) for b in runs)
+        maps = sum(b.get("map_calls", 0) for b in runs)
+        map_ns = sum(b.get("map_ns", 0) for b in runs)
+        summary[name] = {
+            "bursts": len(runs),
+            "throughput_median_tok_s": round(statistics.median(tput), 1) if tput else None,
+            "throughput_ratio": round(median, 4),
+            "throughput_ratio_ci95": [round(low, 4), round(high, 4)],
+            "ttft_p50_ratio": round(statistics.median(ttft) / statistics.median(stock_ttft), 4)
+            if ttft and stock_ttft else None,
+            "reserve_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+            "reserve_hits": hits, "reserve_misses": misses, "page_maps": maps,
+            "mean_map_us_per_page": round(map_ns / maps / 1000, 1) if maps else None,
+            "failed_requests": sum(b.get("failed", 0) for b in runs),
+        }
+    return summary
+
+
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return kv_heads * head_dim * 2 * dtype_bytes * int(config["num_hidden_layers"])
+
+
+def physical_limit(args: argparse.Namespace) -> int:
+    """Working set of one burst plus the largest reserve, in whole logical pages."""
+    per_token = kv_bytes_per_token(Path(args.model))
+    tokens = args.prompts * (args.max_prompt_len + args.max_tokens)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    page_all_layers = 2 * MIB * 2 * int(config["num_hidden_layers"])
+    working_pages = -(-tokens * per_token // page_all_layers)
+    return (working_pages + args.max_reserved_pages + 2) * page_all_layers
+
+
+def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, Any]:
+    env_extra, eager = CONFIGS[config]
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = dict(dtype="bfloat16", max_model_len=args.max_model_len,
+                                  enable_prefix_caching=False, enforce_eager=eager,
+                                  load_format=args.load_format,
+                                  gpu_memory_utilization=args.gpu_mem_util)
+    if args.device_kind == "cpu":
+        kwargs.pop("gpu_memory_utilization")
+        kwargs["kv_cache_memory_bytes"] = args.cpu_kv_bytes
+    base = engine_environment({**env_extra, **dict(item.split("=", 1) for item in args.env)})
+    shape = dict(prompts=args.prompts, min_prompt_len=args.min_prompt_len,
+                 max_prompt_len=args.max_prompt_len, max_tokens=args.max_tokens)
+    limit = str(physical_limit(args))
+    specs = [EngineSpec("stock", args.stock_site, kwargs, env={"KVCACHED_ENABLE": "0"},
+                        **shape)]
+    for layout in args.layouts.split(","):
+        specs.append(EngineSpec(
+            layout, args.patched_site, kwargs, **shape,
+            env={"KVCACHED_LAYOUT": layout, "KVCACHED_PHYSICAL_LIMIT": limit,
+                 "KVCACHED_MAX_RESERVED_PAGES": str(args.max_reserved_pages),
+                 "KVCACHED_POOL_NAME": f"tput-{config}-{layout}"}))
+    # Stock first and alone (its profile run would take a neighbour's start for an error),
+    # then the patched engines together (their start-up checks allow for each other).
+    engines: dict[str, EngineProcess] = {}
+    report: dict[str, Any] = {"config": config, "physical_limit_bytes": int(limit)}
+    try:
+        for group in (specs[:1], specs[1:]):
+            for spec in group:
+                engines[spec.name] = EngineProcess(spec, args.model, out, base)
+            for spec in group:
+                message = engines[spec.name].wait_for(("ready",), args.start_timeout)
+                report[f"{spec.name}_start"] = message
+                if message.get("event") != "ready":
+                    report["error"] = f"{spec.name} did not start: {message}"
+                    return report
+        names = list(engines)
+        bursts: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for index, name in enumerate(abba_order(names, args.bursts + args.warmup)):
+            burst = engines[name].burst(f"b{index}", args.burst_timeout)
+            burst.pop("digests", None)
+            bursts[name].append(burst)
+            if burst.get("event") != "burst":
+                report["error"] = f"{name} burst {index}: {burst}"
+                break
+        (out / "bursts.json").write_text(json.dumps(bursts))
+        report["summary"] = summarize(bursts, args.warmup)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--stock-site", required=True)
+    parser.add_argument("--patched-site", required=True)
+    parser.add_argument("--out", default="gpu-throughput-out")
+    parser.add_argument("--configs", default="v2-eager,v2-graphs,v1-eager,v1-graphs")
+    parser.add_argument("--layouts", default="per-layer,contiguous")
+    parser.add_argument("--bursts", type=int, default=20, help="measured bursts per engine")
+    parser.add_argument("--warmup", type=int, default=1, help="bursts per engine left out")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--min-prompt-len", type=int, default=64)
+    parser.add_argument("--max-prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-reserved-pages", type=int, default=10)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--gpu-mem-util", type=float, default=0.3)
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device-kind", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--cpu-kv-bytes", type=int, default=256 * MIB)
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--start-timeout", type=float, default=240.0)
+    parser.add_argument("--burst-timeout", type=float, default=120.0)
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="do not start a configuration after this many seconds (0: none)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+        if config not in CONFIGS:
+            parser.error(f"unknown configuration {config!r}; known: {sorted(CONFIGS)}")
+        if args.deadline_s and time.monotonic() - started > args.deadline_s:
+            results[config] = {"skipped": "deadline"}
+            continue
+        results[config] = run_config(args, config, out / config)
+        (out / "summary.json").write_text(json.dumps(results, indent=1, default=str))
+        print(json.dumps({config: results[config].get("summary", results[config])}, indent=1,
+                         default=str), flush=True)
+    failed = [c for c, r in results.items() if r.get("error")]
+    print("ok" if not failed else f"configurations with errors: {failed}")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
