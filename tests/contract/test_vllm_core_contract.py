@@ -19,7 +19,13 @@ import pytest
 
 from forge.matrix import Cell
 from tests.contract.fake_hf import build_fake_hf_home
-from tests.contract.vllm_contract import ROOT, contract_venv, tree_workspace, unpacked_sdist
+from tests.contract.vllm_contract import (
+    ROOT,
+    contract_venv,
+    l1_verdict,
+    tree_workspace,
+    unpacked_sdist,
+)
 from tests.proof_cells import proof_of
 
 pytestmark = pytest.mark.slow
@@ -84,16 +90,12 @@ def test_core_tests_pass_on_the_patched_tree(cell: Cell, tmp_path: Path) -> None
     assert "_kvcached_vllm.make_block_pool(" in patched_source
 
     stock, patched = results["stock"], results["patched"]
-    assert set(stock) == set(patched), "both trees must collect the same tests"
     passed = sum(r == "passed" for r in patched.values())
     print(f"\n{cell.name}: patched tree {passed}/{len(patched)} passed; "
           f"stock tree {sum(r == 'passed' for r in stock.values())}/{len(stock)}; "
           f"floor {proof.l1_min_passed}")
     for test in sorted(t for t, r in patched.items() if r not in ("passed", "skipped")):
-        print(f"  fails on the patched tree: {test}: {patched[test]} (stock: {stock[test]})")
-    lost = {t: patched[t] for t, r in stock.items() if r == "passed" and patched[t] != "passed"}
-    assert not lost, f"pass on the stock tree only: {lost}"
-    assert passed >= proof.l1_min_passed, (
-        f"{cell.name}: {passed} L1 tests passed on the patched tree, below the recorded floor "
-        f"proof.l1_min_passed = {proof.l1_min_passed} (a test file, dependency or collection "
-        "was lost)")
+        print(f"  fails on the patched tree: {test}: {patched[test]} "
+              f"(stock: {stock.get(test)})")
+    problems = l1_verdict(cell.name, stock, patched, proof.l1_min_passed)
+    assert not problems, "\n".join(problems)

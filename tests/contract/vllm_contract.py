@@ -171,3 +171,27 @@ def contract_venv(cell: Cell) -> Path:
             f"Metadata-Version: 2.1\nName: vllm\nVersion: {cell.version}+cpu\n", encoding="utf-8")
         (root / "READY").write_text("ok\n", encoding="utf-8")
     return python
+
+
+def l1_verdict(cell_name: str, stock: dict[str, str], patched: dict[str, str],
+               floor: int) -> list[str]:
+    """What is wrong with an L1 run (test id -> "passed", "skipped" or the failure), if anything.
+
+    Both trees must collect the same tests, every test passing on the stock tree must pass on
+    the patched one, and the patched tree must pass at least `floor` tests.
+    """
+    problems = []
+    if set(stock) != set(patched):
+        only = sorted(set(stock) ^ set(patched))
+        problems.append(f"{cell_name}: the trees collected different tests: {only[:10]}")
+    lost = {t: patched.get(t, "not collected") for t, r in stock.items()
+            if r == "passed" and patched.get(t) != "passed"}
+    if lost:
+        problems.append(f"{cell_name}: pass on the stock tree only: {lost}")
+    passed = sum(r == "passed" for r in patched.values())
+    if passed < floor:
+        problems.append(
+            f"{cell_name}: {passed} L1 tests passed on the patched tree, below the recorded "
+            f"floor proof.l1_min_passed = {floor} (a test file, dependency or collection was "
+            "lost)")
+    return problems
