@@ -2,10 +2,9 @@
 
 The base venv (the cell's proof torch, numpy and the small pure-Python dependencies SGLang
 imports, with the cell's test pins) is built once under the cache and reused while its pins
-stay the same. The engine venvs are
-layered on it: each has its own site-packages with one sglang wheel (patched or stock,
-installed ``--no-deps``) plus kvcached-core, and a ``.pth`` file that appends the base venv's
-site-packages, so the heavy part exists once on disk.
+stay the same. The engine venvs are layered on it: each has its own site-packages with one
+sglang wheel (patched or stock, installed ``--no-deps``) plus kvcached-core, and a ``.pth``
+file that appends the base venv's site-packages, so the heavy part exists once on disk.
 """
 
 from __future__ import annotations
