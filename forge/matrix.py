@@ -37,9 +37,13 @@ _SERIES = re.compile(r"\d+(\.\d+)*")
 _TOP_FIELDS = {"schema", "index_url", "cell"}
 _CELL_FIELDS = {
     "engine", "series", "version", "build", "python", "torch", "status", "reason",
-    "verified", "test_pins", "artifact",
+    "verified", "test_pins", "artifact", "proof",
 }
 _ARTIFACT_FIELDS = {"role", "filename", "sha256", "git", "tag", "commit"}
+_PROOF_FIELDS = {"torch", "l1_tests", "l1_min_passed", "block_pool_args", "kv_manager"}
+_KV_MANAGER_FIELDS = {"setup", "manager", "request"}
+# Proof fields an engine's contract tests cannot run without (beyond the common ones).
+_PROOF_FIELDS_BY_ENGINE = {"vllm": ("block_pool_args", "kv_manager")}
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,37 @@ class Artifact:
 
 
 @dataclass(frozen=True)
+class KVManagerRecipe:
+    """How the release's own tests/v1/core/test_prefix_caching.py (imported as ``upstream``)
+    builds a KVCacheManager and a request: Python source the allocate-race contract runs.
+
+    ``setup`` is statements run once; ``manager`` an expression over ``config`` (a
+    KVCacheConfig); ``request`` an expression over ``request_id`` and ``tokens``.
+    """
+
+    setup: str
+    manager: str
+    request: str
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What the cell's contract tests need: the test venvs' torch, the L1 suite and its floor.
+
+    ``l1_min_passed`` is the number of L1 tests measured passing on the patched tree; a run
+    that passes fewer fails, so a suite that shrinks (tests lost to a missing dependency, a
+    renamed file, a collection error) cannot pass unnoticed. ``block_pool_args`` is Python
+    source: the arguments after the number of blocks of the release's ``BlockPool(...)``.
+    """
+
+    torch: str
+    l1_tests: tuple[str, ...]
+    l1_min_passed: int
+    block_pool_args: str | None = None
+    kv_manager: KVManagerRecipe | None = None
+
+
+@dataclass(frozen=True)
 class Cell:
     engine: str
     series: str
@@ -80,6 +115,7 @@ class Cell:
     reason: str | None = None
     verified: dt.date | None = None
     test_pins: Mapping[str, str] = field(default_factory=dict)
+    proof: Proof | None = None
 
     @property
     def name(self) -> str:
@@ -234,6 +270,11 @@ def _parse_cell(check: _Checker, table: Mapping[str, Any], position: int) -> Cel
         if not isinstance(pin, str):
             raise check.fail(where, f"field 'test_pins.{pin_name}' must be a string, got {pin!r}")
 
+    # Optional in the schema (a cell can be built before it is proven); the contract tests
+    # fail for a cell they are asked to prove that has none.
+    proof_table = check.typed(table, "proof", dict, where, required=False)
+    proof = None if proof_table is None else _parse_proof(check, proof_table, where, engine)
+
     artifact_tables = check.typed(table, "artifact", list, where)
     if not artifact_tables:
         raise check.fail(where, "field 'artifact' must list at least one artifact")
@@ -248,8 +289,68 @@ def _parse_cell(check: _Checker, table: Mapping[str, Any], position: int) -> Cel
     return Cell(
         engine=engine, series=series, version=version, build=build, python=python,
         torch=torch, status=status, reason=reason, verified=verified,
-        test_pins=dict(pins), artifacts=artifacts,
+        test_pins=dict(pins), artifacts=artifacts, proof=proof,
     )
+
+
+def _parse_proof(check: _Checker, table: Mapping[str, Any], where: str, engine: str) -> Proof:
+    """The [cell.proof] table; errors name the field as ``proof.<field>``."""
+    check.no_unknown(table, _PROOF_FIELDS, f"{where}: proof")
+    for key in ("torch", "l1_tests", "l1_min_passed", *_PROOF_FIELDS_BY_ENGINE.get(engine, ())):
+        if key not in table:
+            raise check.fail(where, f"missing required field 'proof.{key}'")
+    torch = table["torch"]
+    if not isinstance(torch, str):
+        raise check.fail(where, f"field 'proof.torch' must be a string, got {torch!r}")
+    try:
+        parsed: Version | None = Version(torch)
+    except InvalidVersion:
+        parsed = None
+    if parsed is None or str(parsed) != torch or parsed.local is not None:
+        raise check.fail(where, f"field 'proof.torch' must be an exact public version, "
+                                f"got {torch!r}")
+    tests = table["l1_tests"]
+    if (not isinstance(tests, list) or not tests
+            or not all(isinstance(t, str) and t.endswith(".py") for t in tests)):
+        raise check.fail(where, f"field 'proof.l1_tests' must be a non-empty array of .py "
+                                f"paths, got {tests!r}")
+    if len(set(tests)) != len(tests):
+        raise check.fail(where, f"field 'proof.l1_tests' lists a file twice: {tests!r}")
+    floor = table["l1_min_passed"]
+    if not isinstance(floor, int) or isinstance(floor, bool) or floor < 1:
+        raise check.fail(where, f"field 'proof.l1_min_passed' must be an integer >= 1, "
+                                f"got {floor!r}")
+    block_pool_args = table.get("block_pool_args")
+    if block_pool_args is not None:
+        block_pool_args = _python_source(check, where, "proof.block_pool_args",
+                                         block_pool_args, "f(0, {})", "eval")
+    recipe = table.get("kv_manager")
+    kv_manager = None
+    if recipe is not None:
+        if not isinstance(recipe, dict):
+            raise check.fail(where, f"field 'proof.kv_manager' must be a table, got {recipe!r}")
+        check.no_unknown(recipe, _KV_MANAGER_FIELDS, f"{where}: proof.kv_manager")
+        sources = {}
+        for key, mode in (("setup", "exec"), ("manager", "eval"), ("request", "eval")):
+            if key not in recipe:
+                raise check.fail(where, f"missing required field 'proof.kv_manager.{key}'")
+            sources[key] = _python_source(check, where, f"proof.kv_manager.{key}", recipe[key],
+                                          "{}", mode)
+        kv_manager = KVManagerRecipe(**sources)
+    return Proof(torch=torch, l1_tests=tuple(tests), l1_min_passed=floor,
+                 block_pool_args=block_pool_args, kv_manager=kv_manager)
+
+
+def _python_source(check: _Checker, where: str, name: str, value: object, template: str,
+                   mode: str) -> str:
+    """A string of Python source; ``template`` makes it a whole statement or expression."""
+    if not isinstance(value, str):
+        raise check.fail(where, f"field {name!r} must be a string, got {value!r}")
+    try:
+        compile(template.replace("{}", value), f"<{name}>", mode)
+    except SyntaxError as exc:
+        raise check.fail(where, f"field {name!r} is not valid Python: {exc.msg}") from None
+    return value
 
 
 def _parse_artifact(check: _Checker, table: Any, where: str, engine: str,

@@ -10,50 +10,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.contract.vllm_contract import (
-    ROOT,
-    contract_cell,
-    contract_venv,
-    tree_workspace,
-    unpacked_sdist,
-)
+from forge.matrix import Cell
+from tests.contract.vllm_contract import ROOT, contract_venv, tree_workspace, unpacked_sdist
+from tests.proof_cells import proof_of
 
 pytestmark = pytest.mark.slow
 
-
-@dataclass(frozen=True)
-class ManagerRecipe:
-    """How the version's own tests/v1/core/test_prefix_caching.py builds what this test needs
-    (`upstream` is that module; `config` a KVCacheConfig, `request_id`/`tokens` the request)."""
-
-    setup: str
-    manager: str
-    request: str
-
-
-_MANAGER_KWARGS = "max_model_len=8192, enable_caching=True"
-RECIPES = {
-    "vllm-0.9": ManagerRecipe(
-        setup="",
-        manager=f"upstream.KVCacheManager(config, {_MANAGER_KWARGS})",
-        request="upstream.make_request(request_id, tokens)",
-    ),
-    "vllm-0.25": ManagerRecipe(
-        setup="upstream.init_none_hash(upstream.sha256)",
-        manager=f"upstream.make_kv_cache_manager(config, {_MANAGER_KWARGS}, hash_block_size=16)",
-        request="upstream.make_request(request_id, tokens, 16, upstream.sha256)",
-    ),
-    "vllm-0.32": ManagerRecipe(
-        setup="upstream.init_none_hash(upstream.sha256)",
-        manager=f"upstream.make_kv_cache_manager(config, {_MANAGER_KWARGS}, hash_block_size=16)",
-        request="upstream.make_request(request_id, tokens, 16, upstream.sha256)",
-    ),
-}
+# How the release's own tests build the manager and the request: matrix.toml's
+# [cell.proof.kv_manager] of each cell.
 
 SCRIPT = """
 import sys
@@ -181,14 +149,14 @@ print("OK")
 """
 
 
-def race_script(cell_name: str) -> str:
-    recipe = RECIPES[cell_name]
+def race_script(cell: Cell) -> str:
+    recipe = proof_of(cell).kv_manager
+    assert recipe is not None, f"{cell.name}: matrix.toml lacks [cell.proof.kv_manager]"
     return SCRIPT.format(setup=recipe.setup, manager=recipe.manager, request=recipe.request)
 
 
-@pytest.mark.parametrize("cell_name", ["vllm-0.9", "vllm-0.25", "vllm-0.32"])
-def test_lost_page_race_leaves_the_request_as_before(cell_name: str, tmp_path: Path) -> None:
-    cell = contract_cell(cell_name)
+def test_lost_page_race_leaves_the_request_as_before(cell: Cell, tmp_path: Path) -> None:
+    script = race_script(cell)
     python = contract_venv(cell)
     tree = unpacked_sdist(cell, tmp_path)
     tree_workspace(tree, patched=True, cell=cell)
@@ -202,6 +170,6 @@ def test_lost_page_race_leaves_the_request_as_before(cell_name: str, tmp_path: P
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
     env.update({"PYTHONPATH": f"{tree}{os.pathsep}{imports}", "KVCACHED_ENABLE": "1",
                 "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
-    done = subprocess.run([str(python), "-c", race_script(cell_name)], env=env,
+    done = subprocess.run([str(python), "-c", script], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tree)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

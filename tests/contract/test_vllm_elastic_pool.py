@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract.vllm_contract import ROOT, contract_cell, contract_venv, unpacked_sdist
+from forge.matrix import Cell
+from tests.contract.vllm_contract import ROOT, contract_venv, unpacked_sdist
+from tests.proof_cells import proof_of
 
 pytestmark = pytest.mark.slow
 
-BLOCK_POOL_ARGS = {"vllm-0.9": "32, True", "vllm-0.25": "32, True, 16",
-                   "vllm-0.32": "32, True, 16"}
+# BlockPool(num_blocks, <proof.block_pool_args>) of the cell's release: matrix.toml.
 
 SCRIPT = """
 import kvcached_core.integration.vllm as adapter
@@ -29,7 +30,7 @@ pool = KVPool.create(pool_name(), num_layers=1, num_kv_buffers=1, block_bytes=40
                      max_reserved=0, prealloc=False, physical_limit_bytes=3 * 4096,
                      defer_physical_release=True, share_limits=False, export_metrics=False)
 pools.register(pools.EnginePool(pool_name(), pool, 4, 32))
-bp = adapter.make_block_pool(BlockPool, {args})
+bp = adapter.make_block_pool(BlockPool, 32, {args})
 assert type(bp).__name__ == "ElasticBlockPool" and isinstance(bp, BlockPool)
 assert bp.get_num_free_blocks() == 3 + 2 * 4, bp.get_num_free_blocks()
 blocks = bp.get_new_blocks(5)
@@ -82,7 +83,7 @@ pool = KVPool.create(pool_name(), num_layers=1, num_kv_buffers=1, block_bytes=40
                      max_reserved=0, prealloc=False, defer_physical_release=True,
                      share_limits=False, export_metrics=False)
 pools.register(pools.EnginePool(pool_name(), pool, 4, 256))
-bp = adapter.make_block_pool(BlockPool, {args_256})
+bp = adapter.make_block_pool(BlockPool, 256, {args})
 queue_type = type(bp.free_block_queue)
 passed = [0]
 popleft = queue_type.popleft
@@ -118,10 +119,10 @@ print("OK")
 """
 
 
-@pytest.mark.parametrize("cell_name", ["vllm-0.9", "vllm-0.25", "vllm-0.32"])
 @pytest.mark.parametrize("script", [SCRIPT, PARKING_SCRIPT], ids=["page-backing", "parking"])
-def test_elastic_pool_backs_blocks_by_page(cell_name: str, script: str, tmp_path: Path) -> None:
-    cell = contract_cell(cell_name)
+def test_elastic_pool_backs_blocks_by_page(cell: Cell, script: str, tmp_path: Path) -> None:
+    args = proof_of(cell).block_pool_args
+    assert args is not None, f"{cell.name}: matrix.toml lacks proof.block_pool_args"
     python = contract_venv(cell)
     sdist = unpacked_sdist(cell, tmp_path)
     imports = tmp_path / "imports"
@@ -129,8 +130,7 @@ def test_elastic_pool_backs_blocks_by_page(cell_name: str, script: str, tmp_path
     (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
     env["PYTHONPATH"] = f"{sdist}{os.pathsep}{imports}"
-    args = BLOCK_POOL_ARGS[cell_name]
-    source = script.format(args=args, args_256=args.replace("32", "256", 1))
+    source = script.format(args=args)
     done = subprocess.run([str(python), "-c", source],
                           env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

@@ -1,18 +1,19 @@
 """Building blocks of the vLLM L1 contract: the pinned sdist, its patched tree, a test venv.
 
 The patched tree is the sdist's `vllm/` with the cell's transform set applied by forge's own
-runner; the venv (per cell, cached under the forge cache keyed by its pins) holds vLLM's
-pure-Python dependencies, the cell's transformers pin, this checkout's kvcached_core and a
-stub `vllm-<version>+cpu.dist-info` so vLLM picks its CPU platform.
+runner; the venv (per cell, cached under the forge cache keyed by its pins) holds the cell's
+proof torch (CPU build), vLLM's pure-Python dependencies, the cell's test pins and a stub
+`vllm-<version>+cpu.dist-info` so vLLM picks its CPU platform. A dependency that does not
+install is an error, never a silently smaller suite.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import tarfile
@@ -20,6 +21,7 @@ import venv
 from pathlib import Path
 
 import git
+from packaging.specifiers import SpecifierSet
 
 from codemods.base import BuildContext
 from codemods.registry import default_registry
@@ -28,12 +30,13 @@ from forge.fetch import fetch_artifact, resolve_index_url
 from forge.matrix import Cell, load_matrix
 from forge.transforms import patch_set_fingerprint, run_transforms, select_transforms
 from forge.workspace import GIT_ENV, VENDOR_BRANCH, Workspace
+from tests.proof_cells import proof_of
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "matrix.toml"
 
-# vLLM's imports for tests/v1/core (research/vllm.md section 8.4), without torch: the local
-# CPU torch is installed first and kept.
+# vLLM's imports for tests/v1/core, without torch: the local CPU torch of the cell's proof
+# is installed first and kept. Every one must install (one pip command, checked afterwards).
 CONTRACT_DEPS = (
     "numpy", "pydantic", "msgspec", "pyzmq", "cachetools", "psutil", "regex", "blake3", "cbor2",
     "pyyaml", "requests", "tqdm", "huggingface_hub", "tokenizers", "pillow", "sentencepiece",
@@ -45,16 +48,11 @@ CONTRACT_DEPS = (
     "tblib", "ijson", "model-hosting-container-standards", "anthropic", "grpcio",
     "pytest-asyncio", "uvloop", "fastsafetensors", "safetensors", "numba",
 )
-TORCH = "torch==2.13.0+cpu"
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVCACHED_FORGE_CACHE",
                                Path.home() / ".cache" / "kvcached-forge"))
-
-
-def contract_cell(name: str) -> Cell:
-    return load_matrix(MATRIX).get_cell(name)
 
 
 def unpacked_sdist(cell: Cell, where: Path) -> Path:
@@ -96,30 +94,74 @@ def tree_workspace(tree: Path, *, patched: bool, cell: Cell) -> None:
     run_transforms(workspace, transforms, build, flavour="sdist")
 
 
+def torch_requirement(cell: Cell) -> str:
+    """The CPU build of the cell's proof torch (a local file; never a CUDA build from an index)."""
+    return f"torch=={proof_of(cell).torch}+cpu"
+
+
 def _pins_key(cell: Cell) -> str:
-    pins = {"deps": CONTRACT_DEPS, "torch": TORCH, "test_pins": dict(cell.test_pins),
-            "version": cell.version}
+    pins = {"deps": CONTRACT_DEPS, "torch": torch_requirement(cell),
+            "test_pins": dict(cell.test_pins), "version": cell.version}
     return hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ContractVenvError(RuntimeError):
+    """The cell's contract venv cannot hold what its L1 suite needs."""
+
+
+def _pip_install(python: Path, cell: Cell, *requirements: str) -> None:
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    done = subprocess.run([*pip, *requirements], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ContractVenvError(
+            f"{cell.name}: pip could not install the contract dependencies "
+            f"({' '.join(requirements)}): {done.stderr.strip()[-2000:]}")
+
+
+def _missing_distributions(python: Path, names: tuple[str, ...]) -> list[str]:
+    """Which of `names` the venv lacks (a venv an older, lenient build left behind)."""
+    probe = ("import importlib.metadata as m, json, sys\n"
+             "missing = []\n"
+             "for name in json.loads(sys.argv[1]):\n"
+             "    try:\n"
+             "        m.distribution(name)\n"
+             "    except m.PackageNotFoundError:\n"
+             "        missing.append(name)\n"
+             "print(json.dumps(missing))\n")
+    done = subprocess.run([str(python), "-c", probe, json.dumps(list(names))],
+                          capture_output=True, text=True, check=True)
+    return list(json.loads(done.stdout))
 
 
 def contract_venv(cell: Cell) -> Path:
     """The cell's contract venv (built once, reused while its pins stay the same)."""
+    python_version = platform.python_version()
+    if python_version not in SpecifierSet(cell.python):
+        raise ContractVenvError(f"{cell.name}: the release needs Python {cell.python}; the "
+                                f"contract venv would be built with {python_version}")
     root = cache_dir() / "test-venvs" / f"vllm-contract-{cell.series}-{_pins_key(cell)}"
     root.parent.mkdir(parents=True, exist_ok=True)
     python = root / "bin" / "python"
+    required = (*cell.test_pins, *CONTRACT_DEPS)
     with open(root.parent / f"{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (root / "READY").exists():
+            missing = _missing_distributions(python, required)
+            if missing:
+                raise ContractVenvError(
+                    f"{cell.name}: the cached contract venv {root} lacks {', '.join(missing)}; "
+                    "delete it to rebuild, or drop what cannot install here from CONTRACT_DEPS")
             return python
         shutil.rmtree(root, ignore_errors=True)
         venv.EnvBuilder(with_pip=True).create(root)
         pins = [f"{name}=={version}" for name, version in sorted(cell.test_pins.items())]
-        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-        subprocess.run([*pip, TORCH], check=True)
-        # One by one: a dependency that does not install here only costs the tests needing it.
-        for requirement in (*pins, *CONTRACT_DEPS):
-            with contextlib.suppress(subprocess.CalledProcessError):
-                subprocess.run([*pip, requirement, *pins, TORCH], check=True)
+        torch = torch_requirement(cell)
+        _pip_install(python, cell, torch)
+        _pip_install(python, cell, *pins, *CONTRACT_DEPS, torch)
+        missing = _missing_distributions(python, required)
+        if missing:
+            raise ContractVenvError(f"{cell.name}: pip finished but {', '.join(missing)} "
+                                    "is not installed")
         site = Path(subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
             check=True, capture_output=True, text=True).stdout.strip())
@@ -129,3 +171,27 @@ def contract_venv(cell: Cell) -> Path:
             f"Metadata-Version: 2.1\nName: vllm\nVersion: {cell.version}+cpu\n", encoding="utf-8")
         (root / "READY").write_text("ok\n", encoding="utf-8")
     return python
+
+
+def l1_verdict(cell_name: str, stock: dict[str, str], patched: dict[str, str],
+               floor: int) -> list[str]:
+    """What is wrong with an L1 run (test id -> "passed", "skipped" or the failure), if anything.
+
+    Both trees must collect the same tests, every test passing on the stock tree must pass on
+    the patched one, and the patched tree must pass at least `floor` tests.
+    """
+    problems = []
+    if set(stock) != set(patched):
+        only = sorted(set(stock) ^ set(patched))
+        problems.append(f"{cell_name}: the trees collected different tests: {only[:10]}")
+    lost = {t: patched.get(t, "not collected") for t, r in stock.items()
+            if r == "passed" and patched.get(t) != "passed"}
+    if lost:
+        problems.append(f"{cell_name}: pass on the stock tree only: {lost}")
+    passed = sum(r == "passed" for r in patched.values())
+    if passed < floor:
+        problems.append(
+            f"{cell_name}: {passed} L1 tests passed on the patched tree, below the recorded "
+            f"floor proof.l1_min_passed = {floor} (a test file, dependency or collection was "
+            "lost)")
+    return problems

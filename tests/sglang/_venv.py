@@ -1,10 +1,10 @@
 """The SGLang test environments: one heavy base venv per set of pins, two thin engine venvs.
 
-The base venv (torch, numpy and the small pure-Python dependencies SGLang 0.5.23 imports) is
-built once under the cache and reused while its pins stay the same. The engine venvs are
-layered on it: each has its own site-packages with one sglang wheel (patched or stock,
-installed ``--no-deps``) plus kvcached-core, and a ``.pth`` file that appends the base venv's
-site-packages, so the heavy part exists once on disk.
+The base venv (the cell's proof torch, numpy and the small pure-Python dependencies SGLang
+imports, with the cell's test pins) is built once under the cache and reused while its pins
+stay the same. The engine venvs are layered on it: each has its own site-packages with one
+sglang wheel (patched or stock, installed ``--no-deps``) plus kvcached-core, and a ``.pth``
+file that appends the base venv's site-packages, so the heavy part exists once on disk.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TORCH_PIN = "torch==2.13.0"
-# What sglang 0.5.23 imports on the CPU path (research/sglang.md section 5), pinned where a
-# newer release changed behaviour; transformers follows the cell's test pin.
-BASE_REQUIREMENTS: tuple[str, ...] = (
-    TORCH_PIN,
+from packaging.specifiers import SpecifierSet
+
+from forge.matrix import Cell
+from tests.proof_cells import proof_of
+
+# What sglang imports on the CPU path, after torch. A package the cell's `test_pins` names is
+# pinned to that version (matrix.toml); the order is part of the venv's cache key.
+BASE_PACKAGES: tuple[str, ...] = (
     "numpy",
     "orjson",
     "psutil",
@@ -39,10 +42,10 @@ BASE_REQUIREMENTS: tuple[str, ...] = (
     "IPython",
     "tqdm",
     "dill",
-    "transformers==5.19.0",
+    "transformers",
     "tokenizers",
     "triton",
-    "apache-tvm-ffi==0.1.11",
+    "apache-tvm-ffi",
     "sentencepiece",
     "compressed-tensors",
     "gguf",
@@ -53,7 +56,7 @@ BASE_REQUIREMENTS: tuple[str, ...] = (
     "fastapi",
     "uvloop",
     "setproctitle",
-    "xgrammar==0.2.7",
+    "xgrammar",
     "pytest",
     "prometheus_client",
 )
@@ -70,12 +73,27 @@ class EngineVenv:
     site_packages: Path
 
 
+def torch_pin(cell: Cell) -> str:
+    return f"torch=={proof_of(cell).torch}"
+
+
+def base_requirements(cell: Cell) -> tuple[str, ...]:
+    """The base venv's requirements: the proof torch first, then BASE_PACKAGES with pins."""
+    unknown = sorted(set(cell.test_pins) - set(BASE_PACKAGES))
+    if unknown:
+        raise ValueError(f"{cell.name}: test_pins {unknown} name no package of the SGLang base "
+                         "venv (tests/sglang/_venv.py BASE_PACKAGES)")
+    pinned = tuple(f"{name}=={cell.test_pins[name]}" if name in cell.test_pins else name
+                   for name in BASE_PACKAGES)
+    return (torch_pin(cell), *pinned)
+
+
 def cache_root() -> Path:
     base = os.environ.get("KVCACHED_FORGE_CACHE") or str(Path.home() / ".cache" / "kvcached-forge")
     return Path(base) / "test-venvs"
 
 
-def pins_key(requirements: Sequence[str] = BASE_REQUIREMENTS) -> str:
+def pins_key(requirements: Sequence[str]) -> str:
     text = json.dumps({"python": sys.version_info[:2], "requirements": list(requirements)})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -92,35 +110,41 @@ def _site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def _pip(python: Path, *args: str) -> None:
+def _pip(python: Path, torch: str, *args: str) -> None:
     env = dict(os.environ, PIP_CONSTRAINT="", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    with_constraint = ["--constraint", str(_constraints_file(python.parent.parent))]
+    with_constraint = ["--constraint", str(_constraints_file(python.parent.parent, torch))]
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", *with_constraint, *args],
                    check=True, env=env)
 
 
-def _constraints_file(root: Path) -> Path:
+def _constraints_file(root: Path, torch: str) -> Path:
     path = root / "kvcached-constraints.txt"
     if not path.exists():
         # Anything that pulls torch must not replace the pinned CPU build.
-        path.write_text(f"{TORCH_PIN}\n", encoding="utf-8")
+        path.write_text(f"{torch}\n", encoding="utf-8")
     return path
 
 
-def base_venv() -> Path:
-    """The base venv for the current pins: built once (atomically), then reused."""
-    root = cache_root() / f"sglang-base-{pins_key()}"
+def base_venv(cell: Cell) -> Path:
+    """The base venv for the cell's pins: built once (atomically), then reused."""
+    python_version = ".".join(map(str, sys.version_info[:3]))
+    if python_version not in SpecifierSet(cell.python):
+        raise RuntimeError(f"{cell.name}: the release needs Python {cell.python}; the base "
+                           f"venv would be built with {python_version}")
+    requirements = base_requirements(cell)
+    root = cache_root() / f"sglang-base-{pins_key(requirements)}"
     if (root / "READY").exists():
         return root
     staging = root.with_name(root.name + f".building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     venv.EnvBuilder(with_pip=True, symlinks=True).create(staging)
     python = _python_of(staging)
-    _pip(python, TORCH_PIN)
-    _pip(python, *BASE_REQUIREMENTS)
+    torch = torch_pin(cell)
+    _pip(python, torch, torch)
+    _pip(python, torch, *requirements)
     subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *FORBIDDEN],
                    check=False, capture_output=True)
-    (staging / "READY").write_text(json.dumps(list(BASE_REQUIREMENTS)), encoding="utf-8")
+    (staging / "READY").write_text(json.dumps(list(requirements)), encoding="utf-8")
     if root.exists():
         shutil.rmtree(root)
     # Paths inside a venv are absolute: the venv is built where it will live, under a
@@ -153,4 +177,7 @@ def engine_venv(root: Path, base: Path, wheels: Sequence[Path]) -> EngineVenv:
 
 
 if __name__ == "__main__":
-    print(base_venv())
+    from forge.matrix import load_matrix
+    from tests.proof_cells import MATRIX
+
+    print(base_venv(load_matrix(MATRIX).get_cell(sys.argv[1])))

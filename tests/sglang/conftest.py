@@ -1,8 +1,9 @@
-"""SGLang L1/L2 environments, built once per test session.
+"""SGLang L1/L2 environments, built once per selected cell (`--cell`, default every SGLang
+cell).
 
-`patched_venv` holds the sglang wheel this checkout builds for cell sglang-0.5 plus the
-kvcached-core wheel built from this checkout; `stock_venv` holds the pinned upstream wheel.
-Both are layered on one cached base venv (tests/sglang/_venv.py). Set KVCACHED_CORE_WHEEL to
+`patched_venv` holds the sglang wheel this checkout builds for the cell plus the kvcached-core
+wheel built from this checkout; `stock_venv` holds the cell's pinned upstream wheel. Both are
+layered on the cell's cached base venv (tests/sglang/_venv.py). Set KVCACHED_CORE_WHEEL to
 use an already built kvcached-core wheel instead of building one.
 """
 
@@ -18,13 +19,13 @@ import pytest
 
 from forge.build import BuildResult, build_cell
 from forge.fetch import fetch_artifact, resolve_index_url
-from forge.matrix import load_matrix
+from forge.matrix import Cell, load_matrix
+from tests.proof_cells import add_cell_option, parametrize_cells
 
 from . import _venv
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "matrix.toml"
-CELL = "sglang-0.5"
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
 INSIDE = HERE / "inside"
@@ -33,20 +34,28 @@ ADAPTER_MEMBER = "kvcached_core/integration/sglang/allocators.py"
 collect_ignore = ["inside", "shims"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_cell_option(parser)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    parametrize_cells(metafunc, "sglang")
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("KVCACHED_FORGE_CACHE", Path.home() / ".cache" / "kvcached-forge"))
 
 
 @pytest.fixture(scope="session")
-def sglang_cell(tmp_path_factory: pytest.TempPathFactory) -> BuildResult:
-    return build_cell(CELL, matrix_path=MATRIX, dist_dir=tmp_path_factory.mktemp("sglang-dist"),
+def sglang_cell(cell: Cell, tmp_path_factory: pytest.TempPathFactory) -> BuildResult:
+    return build_cell(cell.name, matrix_path=MATRIX,
+                      dist_dir=tmp_path_factory.mktemp(f"dist-{cell.name}"),
                       cache_dir=_cache_dir(), progress=lambda _line: None)
 
 
 @pytest.fixture(scope="session")
-def stock_wheel() -> Path:
+def stock_wheel(cell: Cell) -> Path:
     matrix = load_matrix(MATRIX)
-    cell = matrix.get_cell(CELL)
     (artifact,) = cell.wheel_artifacts
     return fetch_artifact(artifact, index_url=resolve_index_url(matrix, None),
                           cache_dir=_cache_dir())
@@ -70,8 +79,8 @@ def core_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def base_venv() -> Path:
-    return _venv.base_venv()
+def base_venv(cell: Cell) -> Path:
+    return _venv.base_venv(cell)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""L2 for cell sglang-0.5: `sglang.Engine` on CPU, stock against patched (KVCACHED_ENABLE=1).
+"""L2 for each selected SGLang cell: `sglang.Engine` on CPU, stock against patched
+(KVCACHED_ENABLE=1).
 
 One tiny random Llama, one workload (a burst with shared prefixes, idle, one more request on
 the shared prefix). Greedy output must be token-identical, the prefix cache must hit, the
