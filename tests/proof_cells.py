@@ -6,27 +6,17 @@ matrix.toml's [cell.proof] table; nothing about a particular release is written 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
-from codemods.registry import default_registry
 from forge.matrix import Cell, Proof, load_matrix
+from forge.registry import default_registry
 from forge.transforms import select_transforms
 
 ROOT = Path(__file__).resolve().parents[1]
 MATRIX = ROOT / "matrix.toml"
-
-
-def add_cell_option(parser: pytest.Parser) -> None:
-    """Register `--cell`, unless a conftest loaded earlier (tests/cells) already did."""
-    # Same option, same meaning: `pytest tests/cells tests/contract --cell X` selects X in
-    # both suites; pytest refuses a second registration with ValueError.
-    with contextlib.suppress(ValueError):
-        parser.addoption("--cell", action="append", default=[],
-                         help="prove only this matrix cell (repeatable; default: every cell)")
 
 
 def selected_cells(config: pytest.Config, engine: str,

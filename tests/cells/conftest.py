@@ -1,4 +1,4 @@
-"""Per-cell proof (DESIGN.md section 5, L0): every matrix cell builds strictly from its pinned
+"""Per-cell proof (L0, docs/testing.md): every matrix cell builds strictly from its pinned
 upstream artifacts, matches its reviewed diff, and yields wheels that install and say which
 build they are.
 
@@ -18,11 +18,6 @@ from forge.matrix import Cell, load_matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "matrix.toml"
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--cell", action="append", default=[], help="prove only this cell")
-    parser.addoption("--dist", default=None, help="dist dir of an earlier build of --cell")
 
 
 def _selected_cells(config: pytest.Config) -> list[Cell]:

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.proof_cells import add_cell_option, parametrize_cells
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    add_cell_option(parser)
+from tests.proof_cells import parametrize_cells
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

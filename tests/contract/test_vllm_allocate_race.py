@@ -31,7 +31,7 @@ import test_prefix_caching as upstream
 
 from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import pool_name
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 
 PAGE = 4096
 BLOCKS_PER_PAGE = 4
@@ -42,10 +42,11 @@ BLOCK_TOKENS = 16
 {setup}
 
 # 32 vLLM blocks of 16 tokens, 4 to a 4 KiB host page; every page may be mapped at first.
-pool = KVPool.create(pool_name(), num_layers=1, num_kv_buffers=1, block_bytes=PAGE,
-                     virtual_bytes_per_layer=NUM_PAGES * PAGE, page_size=PAGE, min_reserved=0,
-                     max_reserved=0, prealloc=False, physical_limit_bytes=NUM_PAGES * PAGE,
-                     defer_physical_release=True, share_limits=False, export_metrics=False)
+pool = KVPool.create(pool_name(), PoolSpec(1, 1, PAGE, NUM_PAGES * PAGE, PAGE),
+                     PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
+                                physical_limit_bytes=NUM_PAGES * PAGE,
+                                defer_physical_release=True),
+                     share_limits=False, export_metrics=False)
 pools.register(pools.EnginePool(pool_name(), pool, BLOCKS_PER_PAGE, NUM_BLOCKS))
 config = upstream.make_kv_cache_config(BLOCK_TOKENS, NUM_BLOCKS)
 manager = {manager}

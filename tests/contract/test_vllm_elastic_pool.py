@@ -21,14 +21,14 @@ import kvcached_core.integration.vllm as adapter
 from kvcached_core.errors import PoolExhausted
 from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import pool_name
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from vllm.v1.core.block_pool import BlockPool
 
 # 32 vLLM blocks of 1 KiB, 4 to a 4 KiB page, at most 3 pages physically.
-pool = KVPool.create(pool_name(), num_layers=1, num_kv_buffers=1, block_bytes=4096,
-                     virtual_bytes_per_layer=8 * 4096, page_size=4096, min_reserved=0,
-                     max_reserved=0, prealloc=False, physical_limit_bytes=3 * 4096,
-                     defer_physical_release=True, share_limits=False, export_metrics=False)
+pool = KVPool.create(pool_name(), PoolSpec(1, 1, 4096, 8 * 4096, 4096),
+                     PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
+                                physical_limit_bytes=3 * 4096, defer_physical_release=True),
+                     share_limits=False, export_metrics=False)
 pools.register(pools.EnginePool(pool_name(), pool, 4, 32))
 bp = adapter.make_block_pool(BlockPool, 32, {args})
 assert type(bp).__name__ == "ElasticBlockPool" and isinstance(bp, BlockPool)
@@ -73,14 +73,14 @@ PARKING_SCRIPT = """
 import kvcached_core.integration.vllm as adapter
 from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import pool_name
-from kvcached_core.pool import KVPool
+from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core import kv_cache_utils
 
 # 256 vLLM blocks, 4 to a page: 64 pages, none backed but the null block's.
-pool = KVPool.create(pool_name(), num_layers=1, num_kv_buffers=1, block_bytes=4096,
-                     virtual_bytes_per_layer=64 * 4096, page_size=4096, min_reserved=0,
-                     max_reserved=0, prealloc=False, defer_physical_release=True,
+pool = KVPool.create(pool_name(), PoolSpec(1, 1, 4096, 64 * 4096, 4096),
+                     PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
+                                defer_physical_release=True),
                      share_limits=False, export_metrics=False)
 pools.register(pools.EnginePool(pool_name(), pool, 4, 256))
 bp = adapter.make_block_pool(BlockPool, 256, {args})

@@ -12,7 +12,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -24,10 +23,10 @@ import git
 from packaging.specifiers import SpecifierSet
 
 from codemods.base import BuildContext
-from codemods.registry import default_registry
 from forge import TOOLKIT_VERSION
-from forge.fetch import fetch_artifact, resolve_index_url
+from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
 from forge.matrix import Cell, load_matrix
+from forge.registry import default_registry
 from forge.transforms import patch_set_fingerprint, run_transforms, select_transforms
 from forge.workspace import GIT_ENV, VENDOR_BRANCH, Workspace
 from tests.proof_cells import proof_of
@@ -51,8 +50,7 @@ CONTRACT_DEPS = (
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVCACHED_FORGE_CACHE",
-                               Path.home() / ".cache" / "kvcached-forge"))
+    return default_cache_dir()
 
 
 def unpacked_sdist(cell: Cell, where: Path) -> Path:

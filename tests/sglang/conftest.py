@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from forge.build import BuildResult, build_cell
-from forge.fetch import fetch_artifact, resolve_index_url
+from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
 from forge.matrix import Cell, load_matrix
-from tests.proof_cells import add_cell_option, parametrize_cells
+from tests.proof_cells import parametrize_cells
 
 from . import _venv
 
@@ -34,23 +34,15 @@ ADAPTER_MEMBER = "kvcached_core/integration/sglang/allocators.py"
 collect_ignore = ["inside", "shims"]
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    add_cell_option(parser)
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     parametrize_cells(metafunc, "sglang")
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVCACHED_FORGE_CACHE", Path.home() / ".cache" / "kvcached-forge"))
 
 
 @pytest.fixture(scope="session")
 def sglang_cell(cell: Cell, tmp_path_factory: pytest.TempPathFactory) -> BuildResult:
     return build_cell(cell.name, matrix_path=MATRIX,
                       dist_dir=tmp_path_factory.mktemp(f"dist-{cell.name}"),
-                      cache_dir=_cache_dir(), progress=lambda _line: None)
+                      cache_dir=default_cache_dir(), progress=lambda _line: None)
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +50,7 @@ def stock_wheel(cell: Cell) -> Path:
     matrix = load_matrix(MATRIX)
     (artifact,) = cell.wheel_artifacts
     return fetch_artifact(artifact, index_url=resolve_index_url(matrix, None),
-                          cache_dir=_cache_dir())
+                          cache_dir=default_cache_dir())
 
 
 @pytest.fixture(scope="session")

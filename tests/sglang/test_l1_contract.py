@@ -10,8 +10,8 @@ import subprocess
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from codemods.registry import default_registry
 from forge.matrix import Cell
+from forge.registry import default_registry
 from forge.transforms import select_transforms
 from tests.proof_cells import proof_of
 

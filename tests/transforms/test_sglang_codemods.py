@@ -13,7 +13,7 @@ import pytest
 from libcst.codemod import CodemodContext, TransformSuccess, transform_module
 
 from codemods.base import BuildContext, HitCountingCodemod
-from codemods.registry import CODEMODS, default_registry
+from codemods.catalog import CODEMODS
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.capacity import KVBudgetCapacity
@@ -21,6 +21,7 @@ from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
 from codemods.sglang.pool_mha import ElasticMHAPool
 from codemods.sglang.pool_mla import ElasticMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
+from forge.registry import default_registry
 
 BUILD = BuildContext(
     cell="sglang-0.5", engine="sglang", package="sglang", upstream_version="0.5.23",

@@ -13,7 +13,6 @@ import pytest
 from libcst.codemod import CodemodContext, TransformSuccess, transform_module
 
 from codemods.base import BuildContext, HitCountingCodemod
-from codemods.registry import default_registry
 from codemods.vllm.allocate_slots import NoneOnPoolExhausted
 from codemods.vllm.block_pool import ElasticBlockPoolConstruction
 from codemods.vllm.engine_core import (
@@ -28,6 +27,7 @@ from codemods.vllm.kv_buffers import (
     SharedKVBuffer,
     TensorKVBuffers,
 )
+from forge.registry import default_registry
 
 BUILD = BuildContext(
     cell="vllm-0.32", engine="vllm", package="vllm", upstream_version="0.32.0",

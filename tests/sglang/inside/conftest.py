@@ -52,4 +52,4 @@ def paged_setup() -> tuple[object, object]:
 
 
 def mapped_pages(pool: object) -> int:
-    return pool.kvcached_pool.manager.mapped_pages  # type: ignore[attr-defined]
+    return pool.kvcached_pool.mapped_pages
