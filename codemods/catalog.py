@@ -104,7 +104,10 @@ CODEMODS: list[CodemodDeclaration] = [
 # the scheduler admits can be mapped. What it gives up: a shared limit lowered below the
 # engine's capacity at run time (kvctl) is not seen by the scheduler; an allocation the ledger
 # then refuses returns None and takes SGLang's out-of-memory path. Honouring run-time limits
-# would need a physical available_size plus a checker transform.
+# would need a physical available_size plus a checker transform. The start-up seams
+# (sglang-startup-free-memory, sglang-kv-profile-free-memory) count the KV elastic neighbours
+# hold while this engine starts as memory they give back: if neighbours are in a burst at the
+# same time as this engine, the same out-of-memory path is taken until they shrink.
 
 _SGLANG_05 = ">=0.5.23,<0.5.24"
 _SGLANG_DATE = "2026-11-30"

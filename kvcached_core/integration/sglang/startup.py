@@ -83,7 +83,10 @@ def elastic_free_memory_gb(
     Elastic: each rank's figure plus the KV that live elastic neighbours hold (they give it
     back when idle), then the minimum across ranks as SGLang takes it, so that every rank sizes
     the same pools. The engine's own KV is never counted: its pools are address space that is
-    mapped on demand, and what it has mapped is not a neighbour's.
+    mapped on demand, and what it has mapped is not a neighbour's. Records do not name a
+    device, so on a host with several devices the count can be larger than what this device's
+    neighbours hold; that enlarges the pools' address space, not what is mapped (bounded as
+    always by the device, `KVCACHED_PHYSICAL_LIMIT` and a shared budget where one is set).
     """
     is_elastic = elastic_enabled() if elastic is None else elastic
     if not is_elastic:
