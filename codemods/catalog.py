@@ -18,6 +18,7 @@ from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
 from codemods.sglang.pool_mha import ElasticMHAPool
 from codemods.sglang.pool_mla import ElasticMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
+from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 from codemods.vllm import allocate_slots as _vllm_allocate_slots
 from codemods.vllm import block_pool as _vllm_block_pool
 from codemods.vllm import engine_core as _vllm_engine_core
@@ -60,6 +61,12 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("sglang", "capacity"),
     RequiredSeam("sglang", "prefix-cache-bound"),
     RequiredSeam("sglang", "config-guard"),
+    RequiredSeam("sglang", "startup-free-memory",
+                 note="free memory before the weights load sets the non-KV slack and is "
+                      "compared across TP ranks (the memory-balance check)"),
+    RequiredSeam("sglang", "kv-profile-free-memory",
+                 note="free memory after the weights load is the KV pools' budget, refused "
+                      "when nothing is left"),
 )
 
 
@@ -97,10 +104,14 @@ CODEMODS: list[CodemodDeclaration] = [
 # the scheduler admits can be mapped. What it gives up: a shared limit lowered below the
 # engine's capacity at run time (kvctl) is not seen by the scheduler; an allocation the ledger
 # then refuses returns None and takes SGLang's out-of-memory path. Honouring run-time limits
-# would need a physical available_size plus a checker transform.
+# would need a physical available_size plus a checker transform. The start-up seams
+# (sglang-startup-free-memory, sglang-kv-profile-free-memory) count the KV elastic neighbours
+# hold while this engine starts as memory they give back: if neighbours are in a burst at the
+# same time as this engine, the same out-of-memory path is taken until they shrink.
 
 _SGLANG_05 = ">=0.5.23,<0.5.24"
 _SGLANG_DATE = "2026-11-30"
+_SGLANG_STARTUP_DATE = "2026-12-01"
 
 CODEMODS += [
     CodemodDeclaration(
@@ -184,6 +195,46 @@ CODEMODS += [
         codemod=KVBudgetCapacity,
         forwarded="no",
         last_update=_SGLANG_DATE,
+    ),
+    # Start-up free-memory figures: next to elastic neighbours whose memory moves while this
+    # engine starts (adapter: integration/sglang/startup.py, elastic_free_memory_gb).
+    CodemodDeclaration(
+        id="sglang-startup-free-memory",
+        seam="startup-free-memory",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.distributed.bootstrap.measure_pre_model_load_memory: "
+               "get_available_gpu_memory(..., distributed=..., cpu_group=...)",
+        targets=("{package}/srt/distributed/bootstrap.py",),
+        expected_hits=1,
+        why="The pre-load figure sets the slack subtracted from the KV budget and is compared "
+            "with this rank's free memory by the TP memory-balance check (an error by "
+            "default); KV that elastic neighbours hold while this engine starts must count as "
+            "memory they give back, or a burst next door refuses or shrinks the engine.",
+        retire_when="SGLang lets a KV-cache allocator report the memory it needs at start, or "
+                    "measures start-up memory per process instead of device-wide.",
+        codemod=ElasticPreModelLoadMemory,
+        forwarded="no",
+        last_update=_SGLANG_STARTUP_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-kv-profile-free-memory",
+        seam="kv-profile-free-memory",
+        engine="sglang",
+        versions=_SGLANG_05,
+        anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+               "._profile_available_bytes: get_available_gpu_memory(..., distributed=...)",
+        targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
+        expected_hits=1,
+        why="The KV pools are sized once, from free memory after the weights load, and start-up "
+            "is refused when none is left ('Loaded weights leave no GPU memory', 'Not enough "
+            "memory'); an elastic neighbour's burst at that moment must neither refuse the "
+            "engine nor fix its capacity for life to what the neighbour left free.",
+        retire_when="SGLang accepts a KV byte budget from a platform hook (then the capacity "
+                    "seam supplies the whole budget).",
+        codemod=ElasticKVProfileMemory,
+        forwarded="no",
+        last_update=_SGLANG_STARTUP_DATE,
     ),
     CodemodDeclaration(
         id="sglang-refuse-unsupported",

@@ -69,3 +69,13 @@ def statement(source: str) -> cst.BaseStatement:
 def is_marked(node: cst.BaseStatement, marker: str) -> bool:
     """Whether a statement is one the codemod wrote (its source mentions ``marker``)."""
     return marker in cst.Module(body=[]).code_for_node(node)
+
+
+def first_after_docstring(statements: list[cst.BaseStatement]) -> int:
+    """Index of the first statement after the body's docstring (0 when it has none)."""
+    first = statements[0] if statements else None
+    is_docstring = (isinstance(first, cst.SimpleStatementLine)
+                    and isinstance(first.body[0], cst.Expr)
+                    and isinstance(first.body[0].value,
+                                   cst.SimpleString | cst.ConcatenatedString))
+    return 1 if is_docstring else 0

@@ -13,6 +13,7 @@ import libcst as cst
 from codemods.sglang._method import (
     MethodScopedCodemod,
     body_statements,
+    first_after_docstring,
     is_marked,
     statement,
     with_body,
@@ -44,12 +45,8 @@ class RefuseUnsupportedAtConfigure(MethodScopedCodemod):
         if any(is_marked(s, MARKER) for s in statements):
             self.record_already_applied()
             return node
-        first = 1 if _is_docstring(statements[0]) else 0
+        first = first_after_docstring(statements)
         statements[first:first] = [statement(SWITCH_IMPORT), statement(GUARD)]
         self.record_hit()
         return with_body(node, statements)
 
-
-def _is_docstring(node: cst.BaseStatement) -> bool:
-    return (isinstance(node, cst.SimpleStatementLine) and isinstance(node.body[0], cst.Expr)
-            and isinstance(node.body[0].value, cst.SimpleString | cst.ConcatenatedString))

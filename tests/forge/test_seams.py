@@ -27,7 +27,8 @@ VLLM_SEAMS = ["provenance", "block-pool", "allocate-slots-race", "step-end-relea
               "kv-budget", "startup-free-memory", "memory-profile-check",
               "kv-buffers-v1-runner", "kv-buffers-v2-runner"]
 SGLANG_SEAMS = ["provenance", "token-allocator", "paged-allocator", "mha-pool", "mla-pool",
-                "capacity", "prefix-cache-bound", "config-guard"]
+                "capacity", "prefix-cache-bound", "config-guard", "startup-free-memory",
+                "kv-profile-free-memory"]
 
 
 def probe_matrix(path: Path, engine: str, series: str, version: str) -> Path:

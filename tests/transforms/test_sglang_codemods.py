@@ -117,7 +117,8 @@ def test_every_sglang_transform_is_registered_for_0_5_23_only() -> None:
     assert set(sglang) == {
         "sglang-token-allocator", "sglang-paged-allocator", "sglang-mha-pool",
         "sglang-mla-pool", "sglang-kv-budget", "sglang-refuse-unsupported",
-        "sglang-prefix-cache-bound",
+        "sglang-prefix-cache-bound", "sglang-startup-free-memory",
+        "sglang-kv-profile-free-memory",
     }
     for transform in sglang.values():
         assert transform.applies_to("sglang", "0.5.23")

@@ -1,9 +1,17 @@
-"""What the rewritten KV-cache configurator calls: the capacity budget and the start-up guard."""
+"""What SGLang's rewritten start-up code calls: the capacity budget, the start-up guard, and
+the free-memory figure its start-up checks compare."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.integration.sglang.switch import sglang_settings
+from kvcached_core.integration.sglang.switch import elastic_enabled, sglang_settings
+from kvcached_core.startup_memory import GIB, neighbour_kv_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def kv_budget_bytes(profiled_bytes: int) -> int:
@@ -48,3 +56,60 @@ def refuse_unsupported(
             + ". Turn that off or set KVCACHED_ENABLE=0."
         )
 
+
+
+def elastic_free_memory_gb(
+    measure: Callable[..., float],
+    *args: Any,
+    distributed: bool = False,
+    cpu_group: Any = None,
+    elastic: bool | None = None,
+    records_directory: str | None = None,
+    min_across_ranks: Callable[[float, Any], float] | None = None,
+    **kwargs: Any,
+) -> float:
+    """The free device memory (GiB) SGLang's start-up sizing sees: its
+    `get_available_gpu_memory(*args, distributed=..., cpu_group=..., **kwargs)`, passed in as
+    `measure`.
+
+    SGLang takes this figure twice: before loading weights (`pre_model_load_memory`, which sets
+    the non-KV slack and is compared across TP ranks) and when it profiles the KV budget (the
+    pools' size, refused with "Loaded weights leave no GPU memory for the KV cache" or "Not
+    enough memory" when nothing is left). Both charge every byte other processes hold to this
+    engine, so an engine starting while an elastic neighbour is in a burst would be refused, or
+    sized for its whole life to that moment.
+
+    Stock (`KVCACHED_ENABLE=0`, or pools that are not elastic): exactly `measure`'s figure.
+    Elastic: each rank's figure plus the KV that live elastic neighbours hold (they give it
+    back when idle), then the minimum across ranks as SGLang takes it, so that every rank sizes
+    the same pools. The engine's own KV is never counted: its pools are address space that is
+    mapped on demand, and what it has mapped is not a neighbour's. Records do not name a
+    device, so on a host with several devices the count can be larger than what this device's
+    neighbours hold; that enlarges the pools' address space, not what is mapped (bounded as
+    always by the device, `KVCACHED_PHYSICAL_LIMIT` and a shared budget where one is set).
+    """
+    is_elastic = elastic_enabled() if elastic is None else elastic
+    if not is_elastic:
+        return measure(*args, distributed=distributed, cpu_group=cpu_group, **kwargs)
+    local_gb = measure(*args, distributed=False, cpu_group=cpu_group, **kwargs)
+    neighbours = neighbour_kv_bytes(directory=records_directory)
+    counted_gb = local_gb + neighbours / GIB
+    if neighbours:
+        logger.info(
+            "kvcached: %.2f GiB free on this device and elastic neighbours hold %.2f GiB of KV "
+            "they give back when idle; start-up sizing counts %.2f GiB.",
+            local_gb, neighbours / GIB, counted_gb,
+        )
+    if distributed:
+        counted_gb = (min_across_ranks or _min_across_ranks)(counted_gb, cpu_group)
+    return counted_gb
+
+
+def _min_across_ranks(value: float, cpu_group: Any) -> float:
+    """The smallest `value` of every rank in `cpu_group`, as SGLang reduces free memory."""
+    import torch
+    import torch.distributed
+
+    tensor = torch.tensor(value, dtype=torch.float32)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=cpu_group)
+    return float(tensor.item())

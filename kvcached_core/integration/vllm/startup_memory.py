@@ -22,54 +22,24 @@ are the stock comparisons, unchanged.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from kvcached_core.integration.vllm.config import engine_settings, pool_name
-from kvcached_core.limits import list_records
-from kvcached_core.settings import KVCachedSettings
+from kvcached_core.startup_memory import (
+    GIB,
+    StartupMemory,
+    first_pages_bytes,
+    neighbour_kv_bytes,
+)
 
-__all__ = ["memory_profile_consistent", "startup_memory_short"]
+__all__ = [
+    "first_pages_bytes",
+    "memory_profile_consistent",
+    "neighbour_kv_bytes",
+    "startup_memory_short",
+]
 
 logger = logging.getLogger(__name__)
-
-GIB = float(1 << 30)
-
-
-@dataclass(frozen=True)
-class StartupMemory:
-    """What one decision saw: bytes free, the bytes the check needs, elastic neighbours' KV."""
-
-    free_bytes: int
-    needed_bytes: int
-    neighbour_kv_bytes: int
-
-    @property
-    def short(self) -> bool:
-        return self.free_bytes + self.neighbour_kv_bytes < self.needed_bytes
-
-
-def first_pages_bytes(settings: KVCachedSettings) -> int:
-    """Device memory an elastic engine maps before its first request: its reserve pool
-    (at least one page), so that the first step can place KV at all."""
-    return settings.page_size * max(1, settings.min_reserved_pages)
-
-
-def neighbour_kv_bytes(own_pool: str | None = None, directory: str | None = None) -> int:
-    """KV bytes that other live elastic pools on this host have mapped (used + reserve).
-
-    They are given back as those engines go idle or shrink under their limits, so they count
-    as memory an elastic engine can expect. A host with several devices counts every device's
-    pools (records do not name a device), which can only make the count larger.
-    """
-    own = own_pool if own_pool is not None else pool_name()
-    me = os.getpid()
-    return sum(
-        record.used_bytes + record.reserved_bytes
-        for record in list_records(directory)
-        if record.pool != own and record.owner_pid != me and not record.stale
-    )
 
 
 def startup_memory_short(
@@ -94,7 +64,7 @@ def startup_memory_short(
     seen = StartupMemory(
         free_bytes=int(free_memory),
         needed_bytes=min(int(requested_memory), first_pages_bytes(settings)),
-        neighbour_kv_bytes=neighbour_kv_bytes(directory=records_directory),
+        neighbour_kv_bytes=neighbour_kv_bytes(pool_name(), directory=records_directory),
     )
     if not seen.short:
         logger.info(
@@ -133,7 +103,7 @@ def memory_profile_consistent(
         free_bytes=int(current_free),
         needed_bytes=needed,
         # The records are read only when free memory alone falls short.
-        neighbour_kv_bytes=neighbour_kv_bytes(directory=records_directory)
+        neighbour_kv_bytes=neighbour_kv_bytes(pool_name(), directory=records_directory)
         if current_free < needed else 0,
     )
     if seen.short:
