@@ -92,7 +92,8 @@ def test_transform_with_zero_hits(tmp_path: Path, capsys: pytest.CaptureFixture[
         args = project.args("build", CELL, registry="_fixtures:registry_zero_hits")
         message = fails_cleanly(args, capsys, project)
     assert message == ("cell fakeeng-1.0: transform route-allocate: fakeeng/engine.py: "
-                       "matches nothing (expected 2 hit(s))")
+                       "matches nothing (expected 2 hit(s)); "
+                       "anchor looked for: fakeeng.pool.allocate")
 
 
 def test_transform_with_too_many_hits(tmp_path: Path,
@@ -101,7 +102,8 @@ def test_transform_with_too_many_hits(tmp_path: Path,
         args = project.args("build", CELL, registry="_fixtures:registry_too_many_hits")
         message = fails_cleanly(args, capsys, project)
     assert message == ("cell fakeeng-1.0: transform route-allocate: fakeeng/pool.py: "
-                       "matched 2 place(s), expected 1")
+                       "matched 2 place(s), expected 1; "
+                       "anchor looked for: fakeeng.pool.allocate")
 
 
 def test_diff_that_needs_fuzz(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
