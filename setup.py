@@ -24,7 +24,7 @@ if tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit()) <
     )
 
 try:
-    from pybind11.setup_helpers import Pybind11Extension, build_ext
+    from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 except ImportError:
     raise SystemExit(
         "kvcached_core: building needs pybind11>=2.12: pip install 'setuptools>=70' "
@@ -75,6 +75,10 @@ def cuda_include_dir() -> str:
         "into the build environment. Only the header is needed; no GPU or libcuda at build time."
     )
 
+
+# One compiler per core (KVCACHED_BUILD_JOBS to choose): `nox -s build-core` compiles the
+# extension once per CPython minor.
+ParallelCompile("KVCACHED_BUILD_JOBS", default=0).install()
 
 extension = Pybind11Extension(
     "kvcached_core._C",

@@ -78,27 +78,8 @@ class LocalIndex:
         self.packages_dir.mkdir(parents=True, exist_ok=True)
         # A restart keeps its port, so URLs handed out before stay valid.
         port = self._requested_port or self._last_port or _free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "pypiserver",
-            "run",
-            "--interface",
-            _HOST,
-            "--port",
-            str(port),
-            "--authenticate",
-            ".",
-            "--passwords",
-            ".",
-            *(["--fallback-url", self.fallback_url] if self.fallback_url
-              else ["--disable-fallback"]),
-            "--hash-algo",
-            "sha256",
-            "--backend",
-            "simple-dir",
-            str(self.packages_dir),
-        ]
+        command = [sys.executable, "-m", "pypiserver",
+                   *server_arguments(port, str(self.packages_dir), self.fallback_url)]
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -159,6 +140,15 @@ class LocalIndex:
             process.kill()
             process.wait()
         self._port = None
+
+
+def server_arguments(port: int, packages: str, fallback_url: str | None) -> list[str]:
+    """`pypi-server` arguments: no authentication, sha256 links, PyPI fallback or none.
+
+    The README's index line is exactly these (tests/forge/test_readme.py holds it to that)."""
+    fallback = ["--fallback-url", fallback_url] if fallback_url else ["--disable-fallback"]
+    return ["run", "-i", _HOST, "-p", str(port), "-a", ".", "-P", ".", "--hash-algo", "sha256",
+            *fallback, packages]
 
 
 def _free_port() -> int:
