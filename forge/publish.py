@@ -262,6 +262,7 @@ def _reason(exc: BaseException) -> str:
 # --- what a cell's publish uploads ---------------------------------------------------------
 
 CORE_DIST = "kvcached-core"
+NEWEST_CPYTHON_MINOR = 14
 
 
 @dataclass(frozen=True)
@@ -314,12 +315,12 @@ def cell_release(cell_dir: Path, core_dir: Path) -> CellRelease:
 
 
 def uncovered_pythons(allowed: str, core_tags: Sequence[str]) -> list[str]:
-    """CPython minors (3.8-3.15) a cell's `python` range allows but no core wheel is built for."""
+    """CPython minors (3.8 to the newest, 3.14) a cell's range allows but no core wheel covers."""
     from packaging.specifiers import SpecifierSet
 
     spec = SpecifierSet(allowed)
     covered = {f"3.{tag[3:]}" for tag in core_tags if tag.startswith("cp3")}
-    return [f"3.{minor}" for minor in range(8, 16)
+    return [f"3.{minor}" for minor in range(8, NEWEST_CPYTHON_MINOR + 1)
             if spec.contains(f"3.{minor}.0") and f"3.{minor}" not in covered]
 
 
