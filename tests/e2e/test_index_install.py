@@ -137,7 +137,11 @@ def test_tiny_model_runs_elastic(engine_venv: Path, unloadable_packages_hidden: 
                                  tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
-    env = engine_env(unloadable_packages_hidden, shm)
+    # Pages of one 32-token block per layer, so that the tiny model's burst maps pages; a
+    # bounded reserve and prefix cache, so that most of them go back at idle.
+    env = engine_env(unloadable_packages_hidden, shm, extra={
+        "KVCACHED_PAGE_SIZE": str(16 << 10), "KVCACHED_MAX_RESERVED_PAGES": "10",
+        "KVCACHED_MAX_CACHED_TOKENS": str(5 * 32), "KVCACHED_POOL_NAME": "readme-journey"})
     model = build_tiny_model(engine_venv, tmp_path / "model", env)
     result = run_engine(engine_venv, model, tmp_path / "result.json", env)
     assert len(result["outputs"]) == NUM_PREFIXES * PER_PREFIX
