@@ -152,13 +152,13 @@ def core_version() -> str:
     return namespace["__version__"]
 
 
-@nox.session(name="build-core", python=PYTHON, tags=["build"])
+@nox.session(name="build-core", python=PYTHON, tags=["build"], default=False)
 def build_core(session: nox.Session) -> None:
     """Build the kvcached-core wheels (pypa/build + auditwheel) into dist/core/."""
     build_core_wheels(session)
 
 
-@nox.session(python=PYTHON, tags=["project"])
+@nox.session(python=PYTHON, tags=["project"], default=False)
 def forge(session: nox.Session) -> None:
     """The toolkit's CLI with its dependencies: nox -s forge -- transforms vllm-0.9."""
     session.install(*FORGE_DEPS)
