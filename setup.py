@@ -10,8 +10,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+import setuptools
+
+# pyproject's `license = "Apache-2.0"` (an SPDX expression) needs setuptools >= 70; older ones fail
+# deep inside metadata validation. Build isolation would install it from [build-system].requires,
+# `pip install --no-build-isolation` does not: say so in one line.
+_NEEDED_SETUPTOOLS = (70, 0)
+if tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit()) < _NEEDED_SETUPTOOLS:
+    raise SystemExit(
+        f"kvcached_core: building needs setuptools>=70 (this environment has "
+        f"{setuptools.__version__}): pip install 'setuptools>=70' 'pybind11>=2.12' "
+        "nvidia-cuda-runtime-cu12"
+    )
+
+try:
+    from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+except ImportError:
+    raise SystemExit(
+        "kvcached_core: building needs pybind11>=2.12: pip install 'setuptools>=70' "
+        "'pybind11>=2.12' nvidia-cuda-runtime-cu12"
+    ) from None
 
 ROOT = Path(__file__).resolve().parent
 SOURCES = [
@@ -58,6 +76,10 @@ def cuda_include_dir() -> str:
     )
 
 
+# One compiler per core (KVCACHED_BUILD_JOBS to choose): `nox -s build-core` compiles the
+# extension once per CPython minor.
+ParallelCompile("KVCACHED_BUILD_JOBS", default=0).install()
+
 extension = Pybind11Extension(
     "kvcached_core._C",
     sources=[str(Path("csrc") / name) for name in SOURCES],
@@ -67,4 +89,4 @@ extension = Pybind11Extension(
     libraries=["dl"],
 )
 
-setup(ext_modules=[extension], cmdclass={"build_ext": build_ext})
+setuptools.setup(ext_modules=[extension], cmdclass={"build_ext": build_ext})

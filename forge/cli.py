@@ -24,6 +24,7 @@ from forge.registry import PATCHES_ROOT, Registry, Transform, default_registry
 from forge.repack import PROVENANCE_FILE
 
 PASSWORD_ENV = "KVCACHED_FORGE_INDEX_PASSWORD"
+INDEX_URL_ENV = "KVCACHED_INDEX_URL"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,13 +66,22 @@ def _parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", parents=[common], help="list the cells")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
 
-    publish = commands.add_parser("publish", parents=[common],
-                                  help="upload dist/<cell>/*.whl to an index")
+    publish = commands.add_parser(
+        "publish", parents=[common, build_opts],
+        help="upload a cell's engine wheels, the kvcached-core wheels its meta wheels pin, and "
+             "its meta wheels (last) to an index")
     publish.add_argument("cell")
-    publish.add_argument("--repository-url", required=True)
+    publish.add_argument("--repository-url", default=None,
+                         help=f"the index's upload URL (default: ${INDEX_URL_ENV})")
     publish.add_argument("--dist", type=Path, default=Path("dist"))
+    publish.add_argument("--core-dist", type=Path, default=None,
+                         help="where the kvcached-core wheels are (default: <dist>/core)")
     publish.add_argument("--username", default=None,
-                         help=f"index user; the password is read from ${PASSWORD_ENV}")
+                         help=f"index user; the password is read from ${PASSWORD_ENV} "
+                              "(or TWINE_USERNAME/TWINE_PASSWORD, or the keyring)")
+    publish.add_argument("--build-if-stale", action="store_true",
+                         help="build the cell first unless dist/<cell>/ is already the build "
+                              "the matrix and transforms describe")
 
     verify = commands.add_parser("verify-installed",
                                  help="check an installed patched distribution against RECORD")
@@ -203,18 +213,47 @@ def _list(matrix: Matrix, *, as_json: bool) -> None:
 
 
 def _publish(args: argparse.Namespace) -> None:
-    from forge.publish import publish
+    from forge import TOOLKIT_VERSION
+    from forge import build as build_module
+    from forge.publish import cell_release, publish, stale_reason, uncovered_pythons
+    from forge.transforms import patch_set_fingerprint, select_transforms
 
-    cell = load_matrix(args.matrix).get_cell(args.cell)
+    url = args.repository_url or os.environ.get(INDEX_URL_ENV)
+    if not url:
+        raise PublishError(f"give the index's upload URL: --repository-url <url> "
+                           f"(or set {INDEX_URL_ENV})")
+    matrix = load_matrix(args.matrix)
+    cell = matrix.get_cell(args.cell)
     folder = args.dist / cell.name
-    wheels = sorted(folder.glob("*.whl"))
-    if not wheels:
+    if args.build_if_stale:
+        registry = _registry(args)
+        reason = stale_reason(
+            folder, built_version=f"{cell.version}+kvcached.{cell.build}",
+            base_sha256s=[a.sha256 for a in cell.wheel_artifacts if a.sha256],
+            fingerprint=patch_set_fingerprint(select_transforms(registry, cell),
+                                              TOOLKIT_VERSION),
+            core_requirement=f"kvcached-core=={build_module.read_core_version()}")
+        if reason is None:
+            print(f"{folder} is current: not rebuilt")
+        else:
+            print(f"building {cell.name}: {reason}")
+            build_module.build_cell(
+                cell.name, matrix_path=args.matrix, dist_dir=args.dist,
+                cache_dir=args.cache_dir or default_cache_dir(), registry=registry,
+                index_url=args.index_url)
+    if not any(folder.glob("*.whl")):
         raise PublishError(f"cell {cell.name}: no wheels in {folder}; run `python -m forge "
                            f"build {cell.name}` first")
-    # Engine wheels first: a meta wheel must never be visible before the build it pins.
-    ordered = sorted(wheels, key=lambda w: (w.name.startswith("kvcached_"), w.name))
-    publish(ordered, args.repository_url, username=args.username,
-            password=os.environ.get(PASSWORD_ENV), progress=print)
+    release = cell_release(folder, args.core_dist or args.dist / "core")
+    missing = uncovered_pythons(cell.python, release.core_pythons)
+    if missing:
+        print(f"note: cell {cell.name} allows Python {cell.python}, but {release.core_requirement} "
+              f"has wheels for {', '.join(release.core_pythons)} only: Python "
+              f"{', '.join(missing)} cannot install {cell.name}'s meta wheels")
+    result = publish(release.ordered, url, username=args.username,
+                     password=os.environ.get(PASSWORD_ENV), progress=print)
+    print(f"published {cell.name} to {url}: {len(result.uploaded)} uploaded, "
+          f"{len(result.skipped)} already there")
 
 
 def _verify_installed(name: str) -> None:

@@ -4,6 +4,10 @@ Cache layout (``KVCACHED_FORGE_CACHE``, default ``~/.cache/kvcached-forge``)::
 
     artifacts/<filename>            verified upstream files
     artifacts/<filename>.verified   stamp: what was verified, and the file's stat at that time
+    artifacts/by-sha256/<sha256>/<filename>
+                                    a cached file that no longer matched its pin, kept (a typo
+                                    in a pin must not cost a re-download); restored, after
+                                    hashing, when the pin names it again
     git/<name>.git                  bare clones of pinned git sources
 
 Why the stamp is safe: a stamp is trusted only when the pinned sha256 it records equals the
@@ -83,15 +87,56 @@ def fetch_artifact(artifact: Artifact, *, index_url: str, cache_dir: Path,
         raise FetchError(f"artifact role {artifact.role!r} is not a file on an index")
     store = cache_dir / "artifacts"
     target = store / artifact.filename
+    kept_aside: Path | None = None
     if target.exists():
         if _cached_file_valid(target, artifact.sha256, progress):
             return target
-        progress(f"fetch {artifact.filename}: cached copy does not match its pin, fetching again")
-        target.unlink()
+        # A pin that differs from a verified download is more often a typo in the pin than a
+        # changed file: keep the copy (hundreds of MB) under its own hash instead of deleting it.
+        kept_aside = _move_aside(target)
+        progress(f"fetch {artifact.filename}: cached copy does not match its pin "
+                 f"{artifact.sha256}; kept as {kept_aside.relative_to(cache_dir)}")
+    if _restore_set_aside(store, artifact.filename, artifact.sha256):
+        progress(f"fetch {artifact.filename}: restored the cached copy kept for this pin")
+        return target
     store.mkdir(parents=True, exist_ok=True)
     found = find_on_index(index_url, artifact.filename)
+    if found.sha256 is not None and found.sha256 != artifact.sha256:
+        kept = f"; the cached copy is kept as {kept_aside}" if kept_aside else ""
+        raise FetchError(
+            f"sha256 mismatch for {artifact.filename}: expected {artifact.sha256}, got "
+            f"{found.sha256} (the index's hash for {found.url}); nothing downloaded{kept}"
+        )
     _download_verified(found.url, target, artifact.sha256, progress)
     return target
+
+
+def set_aside_path(store: Path, filename: str, sha256: str) -> Path:
+    """Where a cached file whose hash is not the current pin is kept: by-sha256/<hash>/<name>."""
+    return store / "by-sha256" / sha256 / filename
+
+
+def _move_aside(target: Path) -> Path:
+    actual = sha256_file(target)
+    aside = set_aside_path(target.parent, target.name, actual)
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(target, aside)
+    _stamp_path(target).unlink(missing_ok=True)
+    return aside
+
+
+def _restore_set_aside(store: Path, filename: str, expected: str) -> bool:
+    """Moves a copy kept aside under the pinned hash back into place, after hashing it again."""
+    aside = set_aside_path(store, filename, expected)
+    if not aside.is_file():
+        return False
+    if sha256_file(aside) != expected:
+        aside.unlink()
+        return False
+    target = store / filename
+    os.replace(aside, target)
+    _write_stamp(target, expected)
+    return True
 
 
 def find_on_index(index_url: str, filename: str) -> IndexFile:

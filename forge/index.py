@@ -1,7 +1,9 @@
 """A throwaway package index: a real pypiserver on 127.0.0.1, for tests and local trials.
 
-No authentication, no fallback to PyPI (a name it does not hold is simply not found), packages
-kept in `<root>/packages`, the server's log in `<root>/pypi-server.log`.
+No authentication; packages kept in `<root>/packages`, the server's log in
+`<root>/pypi-server.log`. Without `fallback_url` a name it does not hold is simply not found;
+with it (`https://pypi.org/simple/`), pip is sent there for every project the index does not
+hold, which is what the README's install line relies on.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ _STOP_TIMEOUT_S = 10.0
 class LocalIndex:
     """Context manager running `pypi-server run` for as long as the block lasts."""
 
-    def __init__(self, root: Path, port: int = 0, *, startup_timeout_s: float = 30.0) -> None:
+    def __init__(self, root: Path, port: int = 0, *, startup_timeout_s: float = 30.0,
+                 fallback_url: str | None = None) -> None:
         self.root = root
+        self.fallback_url = fallback_url
         self._requested_port = port
         self._startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         self._port: int | None = None
+        self._last_port: int | None = None
 
     @property
     def packages_dir(self) -> Path:
@@ -71,32 +76,15 @@ class LocalIndex:
         if self._process is not None:
             raise ForgeError(f"local index on port {self._port} is already running")
         self.packages_dir.mkdir(parents=True, exist_ok=True)
-        port = self._requested_port or _free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "pypiserver",
-            "run",
-            "--interface",
-            _HOST,
-            "--port",
-            str(port),
-            "--authenticate",
-            ".",
-            "--passwords",
-            ".",
-            "--disable-fallback",
-            "--hash-algo",
-            "sha256",
-            "--backend",
-            "simple-dir",
-            str(self.packages_dir),
-        ]
+        # A restart keeps its port, so URLs handed out before stay valid.
+        port = self._requested_port or self._last_port or _free_port()
+        command = [sys.executable, "-m", "pypiserver",
+                   *server_arguments(port, str(self.packages_dir), self.fallback_url)]
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
-        self._port = port
+        self._port = self._last_port = port
         try:
             self._wait_healthy()
         except BaseException:
@@ -133,6 +121,14 @@ class LocalIndex:
             return "no log"
         return lines[-1] if lines else "empty log"
 
+    def kill(self) -> None:
+        """Ends the server at once (SIGKILL), as a crash would; `start()` brings it back."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait()
+        self._port = None
+
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is None:
@@ -144,6 +140,15 @@ class LocalIndex:
             process.kill()
             process.wait()
         self._port = None
+
+
+def server_arguments(port: int, packages: str, fallback_url: str | None) -> list[str]:
+    """`pypi-server` arguments: no authentication, sha256 links, PyPI fallback or none.
+
+    The README's index line is exactly these (tests/forge/test_readme.py holds it to that)."""
+    fallback = ["--fallback-url", fallback_url] if fallback_url else ["--disable-fallback"]
+    return ["run", "-i", _HOST, "-p", str(port), "-a", ".", "-P", ".", "--hash-algo", "sha256",
+            *fallback, packages]
 
 
 def _free_port() -> int:

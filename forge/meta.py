@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
@@ -40,11 +41,14 @@ def build_meta_wheel(
     core_requirement: str,
     summary: str,
     out_dir: Path,
+    requires_python: str | None = None,
 ) -> Path:
     """Writes `<meta>-<engine_version>-py3-none-any.whl` to `out_dir` and returns its path.
 
     Its version is the engine build's version; it requires `engine_dist==engine_version`
-    exactly (local label included) and `core_requirement`.
+    exactly (local label included) and `core_requirement`. `requires_python` (the Pythons the
+    cell allows that the core wheels cover) makes pip say "requires a different Python" on
+    any other, instead of failing to find a core wheel.
     """
     for label, value in (("meta name", meta_name), ("engine distribution", engine_dist)):
         if not _NAME_RE.fullmatch(value):
@@ -59,6 +63,11 @@ def build_meta_wheel(
         raise WheelError(f"core requirement {core_requirement!r} is invalid: {exc}") from exc
     if "\n" in summary or "\r" in summary:
         raise WheelError("meta wheel summary must be a single line")
+    if requires_python is not None:
+        try:
+            requires_python = str(SpecifierSet(requires_python))
+        except InvalidSpecifier as exc:
+            raise WheelError(f"Requires-Python {requires_python!r} is invalid: {exc}") from exc
 
     name = canonicalize_name(meta_name)
     engine = canonicalize_name(engine_dist)
@@ -72,6 +81,7 @@ def build_meta_wheel(
             f"Name: {name}\n",
             f"Version: {version}\n",
             f"Summary: {summary}\n",
+            *([f"Requires-Python: {requires_python}\n"] if requires_python else []),
             f"Requires-Dist: {engine}=={version}\n",
             f"Requires-Dist: {core}\n",
         ]

@@ -153,10 +153,12 @@ def _run_codemod(workspace: Workspace, transform: Transform, build: BuildContext
         return TransformOutcome(transform, tuple(rows), 0, files, (), ALREADY_APPLIED)
     if hits == 0:
         raise _fail(build, transform, ", ".join(files),
-                    f"matches nothing (expected {transform.expected_hits} hit(s))")
+                    f"matches nothing (expected {transform.expected_hits} hit(s)); "
+                    f"anchor looked for: {transform.anchor.replace('{package}', build.package)}")
     if hits not in transform.expected_hits:
         raise _fail(build, transform, ", ".join(files),
-                    f"matched {hits} place(s), expected {transform.expected_hits}")
+                    f"matched {hits} place(s), expected {transform.expected_hits}; "
+                    f"anchor looked for: {transform.anchor.replace('{package}', build.package)}")
     if already:
         raise _fail(build, transform, ", ".join(files),
                     f"tree is partly rewritten ({hits} new hit(s), {already} already rewritten)")

@@ -1,15 +1,15 @@
 """Heavy end-to-end environments, built once per test run and shared by every e2e test.
 
-`published_index` is a real pypiserver on 127.0.0.1 holding the patched vllm-0.32 cell, the
-kvcached-core wheel built from this checkout, and a mirror of every dependency the CPU engine
-needs (so nothing is ever fetched from elsewhere). `engine_venv` is a fresh venv into which
-`kvcached-vllm-cpu==0.32.0` was installed from that index alone.
+They are the README's user journey, line by line: `published_index` is a real pypiserver on
+127.0.0.1 that falls back to PyPI for what it does not hold, to which
+`nox -s publish-vllm-0.32 -- <url>` published the cell (building it and the kvcached-core
+wheels unless dist/ is current). `engine_venv` is a fresh venv into which the README's install
+line put `kvcached-vllm-cpu==0.32.0`; every CPU engine test runs that installation.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import venv
@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from forge.build import BuildResult, build_cell
 from forge.index import LocalIndex
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +26,8 @@ MATRIX = ROOT / "matrix.toml"
 CELL = "vllm-0.32"
 ENGINE_DIST = "vllm-cpu"
 META = "kvcached-vllm-cpu"
+PYPI_SIMPLE = "https://pypi.org/simple/"
+PUBLISH_TIMEOUT_S = 3600
 
 
 def _cache_dir() -> Path:
@@ -42,63 +42,64 @@ def _isolated_pip_env() -> dict[str, str]:
     return env
 
 
+def readme_publish_args(url: str) -> list[str]:
+    """The README's publish line (tests/forge/test_readme.py holds the README to it)."""
+    return ["nox", "-s", f"publish-{CELL}", "--", url]
+
+
+def readme_publish(url: str) -> subprocess.CompletedProcess[str]:
+    """`nox -s publish-vllm-0.32 -- <url>`, run from the checkout as the README says."""
+    return subprocess.run([sys.executable, "-m", *readme_publish_args(url)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=PUBLISH_TIMEOUT_S)
+
+
+def readme_install_args(simple_url: str) -> list[str]:
+    """The README's install line (tests/forge/test_readme.py holds the README to it)."""
+    return ["pip", "install", f"{META}==0.32.0", "--index-url", simple_url]
+
+
+def readme_install_command(python: Path, simple_url: str) -> list[str]:
+    """The README's install line, run with the venv's pip (and the user's pip configuration)."""
+    return [str(python), "-m", *readme_install_args(simple_url)]
+
+
 @dataclass(frozen=True)
 class PublishedIndex:
     index: LocalIndex
-    build: BuildResult
-    core_wheel: Path
+    cell_dir: Path
+    core_dir: Path
+    publish_output: str
+
+    @property
+    def wheels(self) -> list[Path]:
+        return sorted(self.cell_dir.glob("*.whl"))
+
+    @property
+    def core_wheels(self) -> list[Path]:
+        return sorted(self.core_dir.glob("kvcached_core-*.whl"))
 
 
 @pytest.fixture(scope="session")
-def cell_build(tmp_path_factory: pytest.TempPathFactory) -> BuildResult:
-    return build_cell(CELL, matrix_path=MATRIX, dist_dir=tmp_path_factory.mktemp("dist"),
-                      cache_dir=_cache_dir())
-
-
-@pytest.fixture(scope="session")
-def core_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("core-wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(out), str(ROOT)], check=True)
-    (wheel,) = out.glob("kvcached_core-*.whl")
-    return wheel
-
-
-@pytest.fixture(scope="session")
-def published_index(tmp_path_factory: pytest.TempPathFactory, cell_build: BuildResult,
-                    core_wheel: Path) -> Iterator[PublishedIndex]:
+def published_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PublishedIndex]:
     root = tmp_path_factory.mktemp("index")
-    engine_wheel = next(w for w in cell_build.wheels
-                        if canonicalize_name(str(parse_wheel_filename(w.name)[0])) == ENGINE_DIST)
-    # Mirror the engine's dependencies (what an internal index holds next to our builds), using
-    # this machine's normal pip configuration; our own files are then uploaded through forge.
-    mirror = root / "mirror"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(mirror),
-                    str(engine_wheel)], check=True)
-    ours = {w.name for w in cell_build.wheels} | {core_wheel.name}
-    with LocalIndex(root) as index:
-        index.packages_dir.mkdir(parents=True, exist_ok=True)
-        for dep in mirror.iterdir():
-            if dep.name not in ours:
-                shutil.copy2(dep, index.packages_dir / dep.name)
-        subprocess.run([sys.executable, "-m", "forge", "publish", CELL, "--repository-url",
-                        index.url, "--dist", str(cell_build.out_dir.parent)],
-                       check=True, cwd=ROOT)
-        from forge.publish import publish
-        publish([core_wheel], index.url)
-        yield PublishedIndex(index=index, build=cell_build, core_wheel=core_wheel)
+    with LocalIndex(root, fallback_url=PYPI_SIMPLE) as index:
+        done = readme_publish(index.url)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        yield PublishedIndex(index=index, cell_dir=ROOT / "dist" / CELL,
+                             core_dir=ROOT / "dist" / "core",
+                             publish_output=done.stdout + done.stderr)
 
 
 @pytest.fixture(scope="session")
 def engine_venv(tmp_path_factory: pytest.TempPathFactory,
                 published_index: PublishedIndex) -> Path:
-    """A fresh venv with `kvcached-vllm-cpu==0.32.0` installed from the local index only."""
+    """A fresh venv with `kvcached-vllm-cpu==0.32.0` installed by the README's line."""
     where = tmp_path_factory.mktemp("engine-venv")
     venv.EnvBuilder(with_pip=True).create(where)
     python = where / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--index-url",
-                    published_index.index.simple_url, f"{META}==0.32.0"],
-                   check=True, env=_isolated_pip_env())
+    done = subprocess.run(readme_install_command(python, published_index.index.simple_url),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return python
 
 

@@ -23,6 +23,7 @@ from _fixtures import (
 )
 
 from forge.cli import main
+from forge.index import LocalIndex
 
 REPO = Path(__file__).resolve().parents[2]
 CELL = "fakeeng-1.0"
@@ -92,7 +93,8 @@ def test_transform_with_zero_hits(tmp_path: Path, capsys: pytest.CaptureFixture[
         args = project.args("build", CELL, registry="_fixtures:registry_zero_hits")
         message = fails_cleanly(args, capsys, project)
     assert message == ("cell fakeeng-1.0: transform route-allocate: fakeeng/engine.py: "
-                       "matches nothing (expected 2 hit(s))")
+                       "matches nothing (expected 2 hit(s)); "
+                       "anchor looked for: fakeeng.pool.allocate")
 
 
 def test_transform_with_too_many_hits(tmp_path: Path,
@@ -101,7 +103,8 @@ def test_transform_with_too_many_hits(tmp_path: Path,
         args = project.args("build", CELL, registry="_fixtures:registry_too_many_hits")
         message = fails_cleanly(args, capsys, project)
     assert message == ("cell fakeeng-1.0: transform route-allocate: fakeeng/pool.py: "
-                       "matched 2 place(s), expected 1")
+                       "matched 2 place(s), expected 1; "
+                       "anchor looked for: fakeeng.pool.allocate")
 
 
 def test_diff_that_needs_fuzz(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -204,3 +207,56 @@ def test_verify_installed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert capsys.readouterr().err == (
         "forge: error: fakeeng: installed file fakeeng/pool.py differs from its RECORD hash\n"
     )
+
+
+def _core_wheel(core_dir: Path, tags: str) -> Path:
+    from conftest import Member, WheelRecipe, build_wheel
+
+    from forge.build import read_core_version
+
+    recipe = WheelRecipe(name="kvcached_core", version=read_core_version(), tags=tags,
+                         wheel_tag_line=tags,
+                         package={"kvcached_core/__init__.py": Member(b"CORE = 1\n")})
+    return build_wheel(recipe, core_dir)
+
+
+def test_publish_needs_the_core_wheels_its_meta_wheels_pin(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with fakeeng_project(tmp_path) as project:
+        assert main(project.args("approve-diff", CELL)[:-2]) == 0
+        assert main(project.args("build", CELL)) == 0
+        capsys.readouterr()
+        assert main(["publish", CELL, "--repository-url", "http://127.0.0.1:9/",
+                     "--matrix", str(project.matrix), "--dist", str(project.dist)]) == 1
+    from forge.build import read_core_version
+
+    assert capsys.readouterr().err == (
+        f"forge: error: fakeeng-1.0: its meta wheels pin kvcached-core=={read_core_version()}, "
+        f"but {project.dist / 'core'} holds no such wheel; build it with `nox -s build-core`\n")
+
+
+def test_publish_from_the_environment_url_in_order_then_skips_a_current_build(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        local_index: LocalIndex) -> None:
+    with fakeeng_project(tmp_path) as project:
+        assert main(project.args("approve-diff", CELL)[:-2]) == 0
+        assert main(project.args("build", CELL)) == 0
+        core = _core_wheel(project.dist / "core", "cp311-cp311-manylinux_2_35_x86_64")
+        capsys.readouterr()
+        monkeypatch.setenv("KVCACHED_INDEX_URL", local_index.url)
+        publish_args = ["publish", CELL, *project.args("build", CELL)[2:]]
+        assert main(publish_args) == 0
+        out = capsys.readouterr().out
+        assert main([*publish_args, "--build-if-stale"]) == 0
+        again = capsys.readouterr().out
+    wheels = sorted(project.cell_dir.glob("*.whl"))
+    engines = [w.name for w in wheels if not w.name.startswith("kvcached_")]
+    metas = [w.name for w in wheels if w.name.startswith("kvcached_")]
+    uploads = [line.split()[1] for line in out.splitlines() if line.startswith("upload ")]
+    assert uploads == [*engines, core.name, *metas]
+    # the cell allows every Python from 3.11; one core wheel (3.11) covers only that one
+    assert (f"note: cell {CELL} allows Python >=3.11, but kvcached-core=="
+            f"{core.name.split('-')[1]} has wheels for cp311 only: Python 3.12, 3.13, 3.14 "
+            f"cannot install {CELL}'s meta wheels") in out
+    assert f"{project.dist / CELL} is current: not rebuilt" in again
+    assert f"0 uploaded, {len(uploads)} already there" in again

@@ -152,3 +152,28 @@ def test_git_source_moved_tag_names_both_commits(tmp_path: Path) -> None:
     with pytest.raises(FetchError) as caught:
         fetch_git_source(source, cache_dir=tmp_path / "cache")
     assert pinned in str(caught.value) and moved in str(caught.value)
+
+
+def test_wrong_pin_keeps_the_good_cached_copy_and_downloads_nothing(tmp_path: Path) -> None:
+    with serve_index(SimpleIndex(files={NAME: WHEEL})) as index:
+        fetch_artifact(artifact(), index_url=index.url, cache_dir=tmp_path)
+        typo = sha256(WHEEL)[:-1] + ("0" if sha256(WHEEL)[-1] != "0" else "1")
+        lines: list[str] = []
+        with pytest.raises(FetchError) as caught:
+            fetch_artifact(artifact(typo), index_url=index.url, cache_dir=tmp_path,
+                           progress=lines.append)
+        message = str(caught.value)
+        assert "\n" not in message
+        assert f"expected {typo}" in message and f"got {sha256(WHEEL)}" in message
+        assert "nothing downloaded" in message
+        kept = tmp_path / "artifacts" / "by-sha256" / sha256(WHEEL) / NAME
+        assert kept.read_bytes() == WHEEL
+        assert not (tmp_path / "artifacts" / NAME).exists()
+        assert index.requests.count(f"/files/{NAME}") == 1
+        # The pin is corrected: the kept copy comes back without a download.
+        server_url = index.url
+    restored = fetch_artifact(artifact(), index_url=server_url, cache_dir=tmp_path,
+                              progress=lines.append)
+    assert restored == tmp_path / "artifacts" / NAME and restored.read_bytes() == WHEEL
+    assert not kept.exists()
+    assert any("restored" in line for line in lines)

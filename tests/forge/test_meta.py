@@ -181,3 +181,13 @@ def test_pip_resolves_the_meta_wheel_to_exactly_the_pinned_build(tmp_path: Path)
         "fakeeng": "0.9.2+kvcached.1",
         "kvcached-core": "0.1.0",
     }
+
+
+def test_requires_python_is_written_only_when_given(tmp_path: Path) -> None:
+    plain = metadata_of(meta(tmp_path / "plain"))
+    assert plain.requires_python is None
+    bounded = metadata_of(meta(tmp_path / "bounded", requires_python="<3.14,>=3.11"))
+    assert str(bounded.requires_python) == "<3.14,>=3.11"
+    assert bounded.requires_python is not None and not bounded.requires_python.contains("3.14")
+    with pytest.raises(WheelError, match="Requires-Python 'three' is invalid"):
+        meta(tmp_path / "bad", requires_python="three")

@@ -128,30 +128,68 @@ def test_round_trip_installs_the_patched_build(local_index: LocalIndex, tmp_path
     assert probe.stdout.split() == ["kvcached.1", "0.9.2+kvcached.1", "0.9.2+kvcached.1"]
 
 
-def test_existing_version_is_refused_before_upload(local_index: LocalIndex, tmp_path: Path):
+def test_republishing_skips_files_already_there(local_index: LocalIndex, tmp_path: Path) -> None:
     base = engine_base(tmp_path / "upstream")
     build = patched_build(base, "kvcached.1", tmp_path / "dist")
     publish([build], local_index.url)
     fresh = core_wheel(tmp_path / "core")
-    with pytest.raises(PublishError) as refused:
-        publish([fresh, build], local_index.url)
-    assert str(refused.value) == (
-        f"fakeeng 0.9.2+kvcached.1 is already on {local_index.url}: bump the cell's build number"
-    )
-    # the batch is refused whole: the new file was not uploaded either
-    assert sorted(p.name for p in local_index.packages_dir.iterdir()) == [build.name]
+    lines: list[str] = []
+    result = publish([build, fresh], local_index.url, progress=lines.append)
+    assert result.skipped == [build.name] and result.uploaded == [fresh.name]
+    assert f"skip {build.name}: already on the index with the same sha256" in lines
+    assert sorted(p.name for p in local_index.packages_dir.iterdir()) == sorted(
+        [build.name, fresh.name])
+    assert (local_index.packages_dir / build.name).read_bytes() == build.read_bytes()
 
 
-def test_index_refusal_of_a_duplicate_gives_the_same_message(
+def test_a_different_file_under_a_published_name_is_refused_whole(
     local_index: LocalIndex, tmp_path: Path
 ) -> None:
-    build = patched_build(engine_base(tmp_path / "upstream"), "kvcached.1", tmp_path / "dist")
+    base = engine_base(tmp_path / "upstream")
+    build = patched_build(base, "kvcached.1", tmp_path / "dist")
     publish([build], local_index.url)
-    blind = (
-        local_index.url + "no-such-simple-api/"
-    )  # the pre-check sees nothing: the index says 409
-    with pytest.raises(PublishError, match=r"fakeeng 0\.9\.2\+kvcached\.1 is already on .*bump"):
-        publish([build], local_index.url, simple_url=blind)
+    published = build.read_bytes()
+    # Same cell, same build number, different content: the name is the same, the bytes are not.
+    changed_spec = RepackSpec(
+        base_wheel=base, base_sha256=sha256_file(base),
+        replacements={"fakeeng/__init__.py": b'BUILD = "changed"\n'},
+        build_label="kvcached.1", provenance={"cell": "fakeeng-0.9"},
+    )
+    changed = repack_wheel(changed_spec, tmp_path / "changed")
+    assert changed.name == build.name and changed.read_bytes() != published
+    fresh = core_wheel(tmp_path / "core")
+    with pytest.raises(PublishError) as refused:
+        publish([fresh, changed], local_index.url)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{build.name} is already on {local_index.url} with a different "
+                              f"sha256 ({sha256_file(build)[:12]}… there, "
+                              f"{sha256_file(changed)[:12]}… here)")
+    # refused before any upload: the new core wheel is not there, the published file unchanged
+    assert sorted(p.name for p in local_index.packages_dir.iterdir()) == [build.name]
+    assert (local_index.packages_dir / build.name).read_bytes() == published
+
+
+def test_an_interrupted_publish_completes_when_run_again(local_index: LocalIndex,
+                                                         tmp_path: Path) -> None:
+    base = engine_base(tmp_path / "upstream")
+    files = [patched_build(base, "kvcached.1", tmp_path / "dist"),
+             core_wheel(tmp_path / "core"), meta_wheel(tmp_path / "dist", "0.9.2+kvcached.1")]
+
+    def crash_after_first_upload(line: str) -> None:
+        if line.startswith("uploaded "):
+            local_index.kill()
+
+    with pytest.raises(PublishError) as interrupted:
+        publish(files, local_index.url, progress=crash_after_first_upload)
+    assert "\n" not in str(interrupted.value)
+    assert sorted(p.name for p in local_index.packages_dir.iterdir()) == [files[0].name]
+    local_index.start()
+    result = publish(files, local_index.url)
+    assert result.skipped == [files[0].name]
+    assert result.uploaded == [files[1].name, files[2].name]
+    assert sorted(p.name for p in local_index.packages_dir.iterdir()) == sorted(
+        f.name for f in files)
 
 
 def test_unreachable_index_is_one_line(tmp_path: Path) -> None:

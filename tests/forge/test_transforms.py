@@ -88,7 +88,8 @@ def test_zero_hits_stops_the_build(workspace: Workspace, tmp_path: Path) -> None
     with pytest.raises(TransformError) as caught:
         run_transforms(workspace, cell_set(registry), build_context(), flavour="fakeeng")
     assert str(caught.value) == ("cell fakeeng-1.0: transform route-allocate: fakeeng/engine.py: "
-                                 "matches nothing (expected 2 hit(s))")
+                                 "matches nothing (expected 2 hit(s)); "
+                                 "anchor looked for: fakeeng.pool.allocate")
 
 
 def test_too_many_hits_stops_the_build(workspace: Workspace, tmp_path: Path) -> None:
@@ -96,7 +97,8 @@ def test_too_many_hits_stops_the_build(workspace: Workspace, tmp_path: Path) -> 
     with pytest.raises(TransformError) as caught:
         run_transforms(workspace, cell_set(registry), build_context(), flavour="fakeeng")
     assert str(caught.value) == ("cell fakeeng-1.0: transform route-allocate: fakeeng/pool.py: "
-                                 "matched 2 place(s), expected 1")
+                                 "matched 2 place(s), expected 1; "
+                                 "anchor looked for: fakeeng.pool.allocate")
 
 
 def test_hit_range_accepts_counts_inside_it(workspace: Workspace, tmp_path: Path) -> None:
