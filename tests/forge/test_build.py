@@ -18,7 +18,13 @@ from _fixtures import (
     write_patch,
 )
 
-from forge.build import approve_diffs, build_cell, read_core_version
+from forge.build import (
+    approve_diffs,
+    build_cell,
+    meta_requires_python,
+    read_core_requires_python,
+    read_core_version,
+)
 from forge.errors import DiffMismatchError, FetchError
 from forge.repack import read_provenance
 
@@ -74,6 +80,9 @@ def test_build_writes_patched_wheels_meta_wheels_and_report(tmp_path: Path) -> N
         metadata = meta.read("kvcached_fakeeng-1.0.0+kvcached.1.dist-info/METADATA").decode()
     assert "Requires-Dist: fakeeng==1.0.0+kvcached.1" in metadata
     assert f"Requires-Dist: kvcached-core=={read_core_version()}" in metadata
+    # Installable only where the engine and kvcached-core both are (the fixture cell: >=3.11).
+    requires = meta_requires_python(">=3.11", read_core_requires_python())
+    assert f"Requires-Python: {requires}\n" in metadata
 
     report = json.loads((out / "report.json").read_text())
     assert {(r["flavour"], r["transform"], r["hits"], r["result"]) for r in report["transforms"]} \
@@ -82,6 +91,12 @@ def test_build_writes_patched_wheels_meta_wheels_and_report(tmp_path: Path) -> N
     text = (out / "report.txt").read_text()
     assert "route-allocate | codemod | fakeeng/pool.py" in text
     assert any("repack fakeeng: done in" in line for line in lines)
+
+
+def test_meta_wheel_python_range_is_where_engine_and_core_both_install() -> None:
+    from packaging.specifiers import SpecifierSet
+    allowed = SpecifierSet(meta_requires_python(">=3.9,<3.13", ">=3.10"))
+    assert [v for v in ("3.9", "3.10", "3.12", "3.13") if v in allowed] == ["3.10", "3.12"]
 
 
 def test_same_inputs_give_byte_identical_wheels(tmp_path: Path) -> None:
