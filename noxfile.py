@@ -167,9 +167,10 @@ def forge(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["project"])
 def lint(session: nox.Session) -> None:
-    """ruff over the project's own code."""
-    session.install("ruff>=0.6")
+    """ruff over the project's own code; mypy over forge/, codemods/ and kvcached_core/."""
+    session.install("ruff>=0.6", "mypy>=1.10", *FORGE_DEPS, "prometheus_client>=0.17")
     session.run("ruff", "check", ".")
+    session.run("mypy")  # files and options: [tool.mypy] in pyproject.toml
 
 
 def _make_cell_sessions(cell: dict) -> None:
