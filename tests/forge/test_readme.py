@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -101,3 +102,16 @@ def test_forge_session_reaches_the_toolkit_cli() -> None:
     assert "transform set of vllm-0.9 (vllm 0.9.2):" in done.stdout
     assert "patch-set fingerprint: " in done.stdout
     assert "nox -s forge -- transforms vllm-0.9" in README
+
+
+def test_readme_runtime_example_runs_as_written(tmp_path: Path) -> None:
+    """The README's Python block creates, uses and closes a real host pool."""
+    (block,) = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+    script = tmp_path / "readme_runtime.py"
+    script.write_text(block + "\nprint('ran')\n", encoding="utf-8")
+    env = {**os.environ, "KVCACHED_SHM_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ran"
+    assert not list(tmp_path.glob("kvcached.*"))  # close() removed the pool's record
