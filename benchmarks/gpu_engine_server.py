@@ -101,9 +101,13 @@ def serve(args: argparse.Namespace) -> int:
     prompt_set = PromptSet(args.prompts, args.min_prompt_len, args.max_prompt_len)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_set.token_ids(vocab)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    geometry = getattr(pool, "geometry", None)
     _emit({"event": "ready", "start_s": round(time.perf_counter() - started, 2),
            "elastic": pool is not None, "device_used": _device_used(),
-           "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks})
+           "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+           # The layout the pool took (KVCACHED_LAYOUT=auto decides from the KV layout).
+           "contiguous": getattr(geometry, "contiguous", None),
+           "page_bytes_all_layers": getattr(geometry, "page_bytes_all_layers", None)})
     for line in sys.stdin:
         command = line.split()
         if not command:

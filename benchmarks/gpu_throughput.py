@@ -11,14 +11,19 @@ each step. Reported per configuration and layout:
   over burst i of stock) with a bootstrap 95% confidence interval;
 - TTFT p50 ratio (medians of the bursts' p50s);
 - reserve-pool hit rate over the measured bursts, with the physical limit holding the working
-  set plus the largest reserve; mean map time per logical page.
+  set plus the largest reserve; mean map time per logical page;
+- with `--idle-follow-s`, each patched engine's mapped KV (its limit record) and the device's
+  memory in use (NVML) every `--idle-period-s` after its last burst, and how long its mapped
+  KV took to fall to the reserve bound (`--max-reserved-pages` logical pages) or below.
 
 Targets: throughput >= 0.97 x stock, TTFT p50 <= 1.05 x, hit rate >= 0.99.
 
     python benchmarks/gpu_throughput.py --model DIR --stock-site DIR --patched-site DIR \\
         --out DIR [--configs v2-eager,v2-graphs,v1-eager,v1-graphs] [--bursts 20]
 
-`--deadline-s` stops starting configurations that would not finish in time.
+`--deadline-s` stops starting configurations that would not finish in time;
+`--burst-deadline-s` ends a configuration's alternation after that many seconds of bursts
+(the pairs measured so far are kept and summarized).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,6 +134,89 @@ def physical_limit(args: argparse.Namespace) -> int:
     return (working_pages + args.max_reserved_pages + 2) * page_all_layers
 
 
+def logical_page_bytes(model_dir: Path, page_size: int = 2 * MIB) -> int:
+    """One logical page over every layer and both K and V (what one map backs)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return page_size * 2 * int(config["num_hidden_layers"])
+
+
+def device_used_bytes() -> float | None:
+    """GPU 0's memory in use by NVML (pynvml, else nvidia-smi); None without a GPU.
+
+    Read from outside the engines so the parent creates no CUDA context of its own.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return float(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:
+        pass
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+             "0"], capture_output=True, text=True, timeout=10, check=True).stdout
+        return float(text.split()[0]) * MIB
+    except Exception:
+        return None
+
+
+def settle_time(samples: list[dict[str, float]], key: str, bound: float) -> float | None:
+    """Seconds after the burst from which `key` stays at or below `bound` (None: never)."""
+    settled: float | None = None
+    for row in samples:
+        if row.get(key, float("inf")) <= bound:
+            if settled is None:
+                settled = row["t"]
+        else:
+            settled = None
+    return settled
+
+
+def follow_idle(pools: dict[str, str], *, seconds: float, period_s: float, reserve_bytes: int,
+                shm_dir: str | None = None) -> dict[str, Any]:
+    """Mapped KV of each engine's pool (name -> pool) and device memory, from now on."""
+    from kvcached_core.limits import list_records
+
+    samples: list[dict[str, float]] = []
+    start = time.monotonic()
+    while True:
+        now = time.monotonic() - start
+        mapped = {r.pool: r.used_bytes + r.reserved_bytes for r in list_records(shm_dir)}
+        row: dict[str, float] = {"t": round(now, 3)}
+        used = device_used_bytes()
+        if used is not None:
+            row["device_used"] = used
+        for name, pool in pools.items():
+            if pool in mapped:
+                row[f"kv_{name}"] = float(mapped[pool])
+        samples.append(row)
+        if now >= seconds:
+            break
+        time.sleep(period_s)
+    report: dict[str, Any] = {"seconds": seconds, "reserve_bound_bytes": reserve_bytes,
+                              "samples": samples}
+    for name in pools:
+        key = f"kv_{name}"
+        series = [row[key] for row in samples if key in row]
+        if not series:
+            report[name] = {"error": "no limit record"}
+            continue
+        report[name] = {
+            "kv_mapped_mib_first": round(series[0] / MIB, 1),
+            "kv_mapped_mib_last": round(series[-1] / MIB, 1),
+            "kv_mapped_mib_max": round(max(series) / MIB, 1),
+            "seconds_to_reserve_bound": settle_time(samples, key, reserve_bytes),
+            "seconds_to_final": settle_time(samples, key, series[-1]),
+        }
+    devices = [row["device_used"] for row in samples if "device_used" in row]
+    if devices:
+        report["device_used_gib_first"] = round(devices[0] / (1 << 30), 3)
+        report["device_used_gib_last"] = round(devices[-1] / (1 << 30), 3)
+    return report
+
+
 def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, Any]:
     env_extra, eager = CONFIGS[config]
     out.mkdir(parents=True, exist_ok=True)
@@ -166,15 +255,33 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
                     return report
         names = list(engines)
         bursts: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        for index, name in enumerate(abba_order(names, args.bursts + args.warmup)):
+        order = abba_order(names, args.bursts + args.warmup)
+        alternation_started = time.monotonic()
+        for index, name in enumerate(order):
+            if (args.burst_deadline_s and index % len(names) == 0
+                    and time.monotonic() - alternation_started > args.burst_deadline_s):
+                report["stopped_early"] = (f"burst deadline after {index // len(names)} "
+                                           f"rounds of {len(order) // len(names)}")
+                break
             burst = engines[name].burst(f"b{index}", args.burst_timeout)
             burst.pop("digests", None)
             bursts[name].append(burst)
             if burst.get("event") != "burst":
                 report["error"] = f"{name} burst {index}: {burst}"
                 break
-        (out / "bursts.json").write_text(json.dumps(bursts))
+            # Written as it goes, so a run cut short by its time limit keeps its pairs.
+            (out / "bursts.json").write_text(json.dumps(bursts))
         report["summary"] = summarize(bursts, args.warmup)
+        if args.idle_follow_s > 0 and "error" not in report:
+            # The last burst just ended: follow each patched engine while it idles.
+            pools = {spec.name: spec.env["KVCACHED_POOL_NAME"] for spec in specs[1:]}
+            page = max((int(report[f"{name}_start"].get("page_bytes_all_layers") or 0)
+                        for name in pools), default=0) or logical_page_bytes(Path(args.model))
+            idle = follow_idle(pools, seconds=args.idle_follow_s, period_s=args.idle_period_s,
+                               reserve_bytes=args.max_reserved_pages * page)
+            (out / "idle.json").write_text(json.dumps(idle, indent=1))
+            idle.pop("samples")
+            report["idle"] = idle
     finally:
         for engine in engines.values():
             engine.close()
@@ -204,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--start-timeout", type=float, default=240.0)
     parser.add_argument("--burst-timeout", type=float, default=120.0)
+    parser.add_argument("--burst-deadline-s", type=float, default=0.0,
+                        help="end a configuration's bursts after this many seconds (0: none)")
+    parser.add_argument("--idle-follow-s", type=float, default=0.0,
+                        help="follow the patched engines this long after the last burst")
+    parser.add_argument("--idle-period-s", type=float, default=0.25)
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="do not start a configuration after this many seconds (0: none)")
     args = parser.parse_args(argv)

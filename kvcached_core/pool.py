@@ -84,8 +84,10 @@ class PoolSpec:
         block_bytes: int,
         virtual_bytes_per_layer: int,
     ) -> PoolSpec:
+        # `auto` (None) is per-layer here: a caller that can use the contiguous layout decides
+        # so from its KV layout and asks for it explicitly (vLLM's KV buffers do).
         return cls(num_layers, num_kv_buffers, block_bytes, virtual_bytes_per_layer,
-                   settings.page_size, settings.contiguous_layout)
+                   settings.page_size, settings.contiguous_layout is True)
 
 
 @dataclass(frozen=True)

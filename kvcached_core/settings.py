@@ -38,6 +38,8 @@ _UNITS = {
     "tb": 1 << 40,
     "tib": 1 << 40,
 }
+# KVCACHED_LAYOUT -> `KVCachedSettings.contiguous_layout` (None: the integration decides).
+_LAYOUTS: dict[str, bool | None] = {"auto": None, "per-layer": False, "contiguous": True}
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9_]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -76,6 +78,10 @@ def format_size(num_bytes: int) -> str:
 class KVCachedSettings:
     """Runtime settings of one engine's KV pool.
 
+    `contiguous_layout`: `KVCACHED_LAYOUT`: True (`contiguous`, one compound page per logical
+    page for all layers), False (`per-layer`, one page per layer), None (`auto`, the default:
+    the engine integration takes contiguous wherever its KV layout allows it; vLLM decides per
+    attention layout in `integration/vllm/kv_buffers.py`, other callers take per-layer).
     `max_cached_tokens`: prefix-cache cap in tokens (< 0 unlimited, 0 disables caching).
     `budget`: name of the host-wide memory budget the pool charges its pages to (None: none).
     `zero_page_writable`: `KVCACHED_ZERO_PAGE=writable|read-only`; None leaves the choice to
@@ -98,7 +104,7 @@ class KVCachedSettings:
     # otherwise (`KVCACHED_ENABLE=0` makes it behave exactly as the stock engine).
     enabled: bool = True
     page_size: int = 2 * MIB
-    contiguous_layout: bool = False
+    contiguous_layout: bool | None = None
     min_reserved_pages: int = 5
     max_reserved_pages: int = 10
     prealloc: bool = True
@@ -151,15 +157,15 @@ class KVCachedSettings:
             raise KVCachedConfigError(
                 f"KVCACHED_PAGE_SIZE must be a positive multiple of 4096 bytes, got {page_size}"
             )
-        layout = env.get("KVCACHED_LAYOUT", "per-layer").strip().lower()
-        if layout not in ("per-layer", "contiguous"):
+        layout = env.get("KVCACHED_LAYOUT", "auto").strip().lower()
+        if layout not in _LAYOUTS:
             raise KVCachedConfigError(
-                f"KVCACHED_LAYOUT must be 'per-layer' or 'contiguous', got {layout!r}"
+                f"KVCACHED_LAYOUT must be 'auto', 'per-layer' or 'contiguous', got {layout!r}"
             )
         return cls(
             enabled=_flag(env, "KVCACHED_ENABLE", defaults.enabled),
             page_size=page_size,
-            contiguous_layout=layout == "contiguous",
+            contiguous_layout=_LAYOUTS[layout],
             min_reserved_pages=reserved_min,
             max_reserved_pages=reserved_max,
             prealloc=_flag(env, "KVCACHED_PREALLOC", defaults.prealloc),

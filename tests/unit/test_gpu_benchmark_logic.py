@@ -101,3 +101,29 @@ def test_prompt_sets_repeat_and_digests_tell_outputs_apart() -> None:
     assert all(4 <= len(p) <= 9 and min(p) >= 4 for p in prompts)
     assert output_digest([1, 2, 3]) != output_digest([1, 2, 4])
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([], 0.5) is None
+
+
+def test_settle_time_is_when_the_series_stays_at_or_below_the_bound() -> None:
+    rows = [{"t": 0.0, "kv": 900.0}, {"t": 0.5, "kv": 300.0}, {"t": 1.0, "kv": 500.0},
+            {"t": 1.5, "kv": 320.0}, {"t": 2.0, "kv": 64.0}]
+    # Dipping below the bound and rising again does not count as settled.
+    assert gpu_throughput.settle_time(rows, "kv", 320.0) == 1.5
+    assert gpu_throughput.settle_time(rows, "kv", 64.0) == 2.0
+    assert gpu_throughput.settle_time(rows, "kv", 10.0) is None
+
+
+def test_idle_follow_reports_an_engine_that_keeps_its_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from kvcached_core.limits import LimitRecord, record_path
+
+    monkeypatch.setattr(gpu_throughput, "device_used_bytes", lambda: None)
+    mib = 1 << 20
+    record = LimitRecord("idle-pool", 1 << 30, 800 * mib, 100 * mib, 1, os.getpid(), 1 << 30)
+    record_path("idle-pool", tmp_path).write_bytes(record.pack())
+    report = gpu_throughput.follow_idle({"auto": "idle-pool"}, seconds=0.2, period_s=0.05,
+                                        reserve_bytes=320 * mib, shm_dir=str(tmp_path))
+    assert report["auto"]["kv_mapped_mib_last"] == 900.0
+    assert report["auto"]["seconds_to_reserve_bound"] is None
+    assert len(report["samples"]) >= 3

@@ -17,7 +17,10 @@ import torch
 
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.vllm import kv_tensor_buffer, per_layer_kv_buffer, pools
-from kvcached_core.integration.vllm.kv_buffers import planes_outside_blocks
+from kvcached_core.integration.vllm.kv_buffers import (
+    choose_contiguous_layout,
+    planes_outside_blocks,
+)
 
 PAGE = 32 << 10            # KVCACHED_PAGE_SIZE in these tests
 BLOCK_TOKENS, HEADS, HEAD_SIZE = 16, 2, 64
@@ -204,7 +207,9 @@ def allocate_per_layer(config: Config, shape_of: object) -> list[torch.Tensor]:
 @pytest.mark.parametrize("adapter", ["tensor", "per-layer"])
 @pytest.mark.parametrize(("shape_of", "order_of", "planes"), LAYOUTS)
 def test_block_bytes_match_a_stock_buffer_and_a_page_backs_its_blocks_in_every_layer(
-        elastic: str, shape_of: object, order_of: object, planes: int, adapter: str) -> None:
+        elastic: str, monkeypatch: pytest.MonkeyPatch, shape_of: object, order_of: object,
+        planes: int, adapter: str) -> None:
+    monkeypatch.setenv("KVCACHED_LAYOUT", "per-layer")
     config = per_layer_config()
     if adapter == "tensor":
         ours = allocate(config, [(layer_names(), shape_of, order_of)])
@@ -372,3 +377,124 @@ def test_contiguous_layout_needs_blocks_first(elastic: str,
         allocate(per_layer_config(), [(layer_names(), kv_first_shape, nhd)])
     with pytest.raises(KVCachedConfigError, match="blocks-first"):
         allocate_per_layer(per_layer_config(), kv_first_shape)
+
+
+# ------------------------------------------------------------------ KVCACHED_LAYOUT=auto
+
+
+@dataclass
+class PaddedSpec(Spec):
+    """A spec whose pages vLLM pads (it views them through as_strided)."""
+
+    page_size_padded: int = BLOCK_BYTES + 4096
+
+
+def padded_config() -> Config:
+    names = layer_names()
+    return Config([Tensor(BLOCK_BYTES * NUM_BLOCKS, [n]) for n in names],
+                  [Group(PaddedSpec(), names)])
+
+
+@pytest.mark.parametrize("layout", [None, "auto"])
+@pytest.mark.parametrize("adapter", ["tensor", "per-layer"])
+@pytest.mark.parametrize(("shape_of", "order_of"), [
+    pytest.param(blocks_first_shape, nhd, id="flash-attn-0.25-NHD"),
+    pytest.param(blocks_first_shape, hnd, id="flash-attn-0.25-HND"),
+    pytest.param(cpu_shape, no_stride_order, id="cpu-attn"),
+])
+def test_auto_layout_takes_contiguous_for_blocks_first_buffers(
+        elastic: str, monkeypatch: pytest.MonkeyPatch, shape_of: object, order_of: object,
+        adapter: str, layout: str | None) -> None:
+    if layout is not None:  # unset is the default, auto
+        monkeypatch.setenv("KVCACHED_LAYOUT", layout)
+    config = per_layer_config()
+    if adapter == "tensor":
+        ours = allocate(config, [(layer_names(), shape_of, order_of)])
+    else:
+        ours = allocate_per_layer(config, shape_of)
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and engine_pool.pool.geometry.contiguous
+    [ftensor] = engine_pool.pool.tensors  # one compound tensor for every layer
+    [page] = engine_pool.pool.alloc(1)
+    # One mapping per logical page: the null block's page and the new one.
+    assert sorted(ftensor.mapped_offsets()) == [0, page * PAGE * NUM_LAYERS]
+    stock = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
+    k = engine_pool.blocks_per_page
+    for layer, (raw, reference, tensor) in enumerate(
+            zip(ours, stock, config.kv_cache_tensors, strict=True)):
+        kv = view(raw, shape_of, order_of, tensor)
+        stock_kv = view(reference, shape_of, order_of, tensor)
+        assert kv.shape == stock_kv.shape
+        for block in range(page * k, (page + 1) * k):
+            data = torch.full(block_of(kv, shape_of, block).shape, float(layer * 100 + block),
+                              dtype=DTYPE)
+            block_of(kv, shape_of, block).copy_(data)
+            block_of(stock_kv, shape_of, block).copy_(data)
+        for block in range(NUM_BLOCKS):
+            assert torch.equal(block_of(kv, shape_of, block),
+                               block_of(stock_kv, shape_of, block))
+
+
+@pytest.mark.parametrize("layout", [None, "auto"])
+@pytest.mark.parametrize("adapter", ["tensor", "per-layer"])
+def test_auto_layout_takes_per_layer_for_kv_planes(
+        elastic: str, monkeypatch: pytest.MonkeyPatch, adapter: str,
+        layout: str | None) -> None:
+    if layout is not None:
+        monkeypatch.setenv("KVCACHED_LAYOUT", layout)
+    config = per_layer_config()
+    if adapter == "tensor":
+        allocate(config, [(layer_names(), kv_first_shape, nhd)])
+    else:
+        allocate_per_layer(config, kv_first_shape)
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and not engine_pool.pool.geometry.contiguous
+    assert len(engine_pool.pool.tensors) == NUM_LAYERS
+    region = config.kv_cache_tensors[0].size // 2
+    for ftensor in engine_pool.pool.tensors:  # the null block's page in the K and V plane
+        assert sorted(ftensor.mapped_offsets()) == [0, region]
+
+
+def test_auto_layout_takes_per_layer_for_padded_pages(elastic: str) -> None:
+    allocate(padded_config(), [(layer_names(), blocks_first_shape, nhd)])
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and not engine_pool.pool.geometry.contiguous
+    assert len(engine_pool.pool.tensors) == NUM_LAYERS
+
+
+def test_explicit_contiguous_still_refuses_padded_pages(
+        elastic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_LAYOUT", "contiguous")
+    with pytest.raises(KVCachedConfigError, match="padded KV pages"):
+        allocate(padded_config(), [(layer_names(), blocks_first_shape, nhd)])
+
+
+def test_explicit_per_layer_keeps_one_tensor_per_layer_for_blocks_first(
+        elastic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_LAYOUT", "per-layer")
+    allocate(per_layer_config(), [(layer_names(), blocks_first_shape, nhd)])
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and not engine_pool.pool.geometry.contiguous
+    assert len(engine_pool.pool.tensors) == NUM_LAYERS
+
+
+@pytest.mark.parametrize(("requested", "regions", "padded", "chosen"), [
+    (None, 1, False, True),
+    (None, 2, False, False),
+    (None, 1, True, False),
+    (False, 1, False, False),
+    (False, 2, True, False),
+    (True, 1, False, True),
+])
+def test_layout_choice_rule(requested: bool | None, regions: int, padded: bool,
+                            chosen: bool) -> None:
+    assert choose_contiguous_layout(requested, regions=regions, padded=padded) is chosen
+
+
+def test_layout_setting_reads_auto_by_default() -> None:
+    from kvcached_core.settings import KVCachedSettings
+
+    assert KVCachedSettings.from_env({}).contiguous_layout is None
+    assert KVCachedSettings.from_env({"KVCACHED_LAYOUT": "auto"}).contiguous_layout is None
+    assert KVCachedSettings.from_env({"KVCACHED_LAYOUT": "per-layer"}).contiguous_layout is False
+    assert KVCachedSettings.from_env({"KVCACHED_LAYOUT": "Contiguous"}).contiguous_layout is True
