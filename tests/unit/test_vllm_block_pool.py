@@ -7,6 +7,7 @@ the contract tests run the same mixin over vLLM's own classes.
 from __future__ import annotations
 
 import os
+import queue
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -122,12 +123,33 @@ def test_step_end_releases_pages_after_the_lag_and_writes_nothing_onto_the_engin
     blocks = block_pool.get_new_blocks(8)  # the rest of the null block's page, two more
     assert pool.snapshot().in_use_pages == 3
     scheduler = SimpleNamespace(block_size=16, has_unfinished_requests=lambda: False)
-    core = SimpleNamespace(scheduler=scheduler)
+    # A batch queue of size 1 (lag 1) with a batch still in flight: the pages freed in this
+    # step outlive one more step.
+    core = SimpleNamespace(scheduler=scheduler, batch_queue=deque([object()]))
     before = dict(vars(core))
     block_pool.free_blocks(blocks)
-    # A queue of one batch (lag 1): the pages freed in this step outlive one more step.
     engine.on_step_end(core, block_pool, 1)
     assert pool.snapshot().in_use_pages == 3
     engine.on_step_end(core, block_pool, 1)
     assert pool.snapshot().in_use_pages == 1
     assert vars(core) == before
+
+
+@pytest.mark.parametrize("in_flight", [deque(), queue.Queue()], ids=["deque", "Queue"])
+def test_a_drained_pipelined_engine_releases_its_pages_in_its_last_step(
+    engine_env: None, in_flight: Any,
+) -> None:
+    """The step that completes the last batch leaves an idle engine: nothing would release
+    the pages it retired later, since an idle engine takes no further step."""
+    pool = _register_pool()
+    block_pool: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
+    blocks = block_pool.get_new_blocks(8)
+    unfinished = [True]
+    scheduler = SimpleNamespace(block_size=16, has_unfinished_requests=lambda: unfinished[0])
+    core = SimpleNamespace(scheduler=scheduler, batch_queue=in_flight)
+    block_pool.free_blocks(blocks)
+    engine.on_step_end(core, block_pool, 2)  # another request still runs: pages kept
+    assert pool.snapshot().in_use_pages == 3
+    unfinished[0] = False
+    engine.on_step_end(core, block_pool, 2)  # the last step: drained, released at once
+    assert pool.snapshot().in_use_pages == 1

@@ -276,9 +276,11 @@ class ElasticBlockPoolMixin:
 
         Pages freed during this step are retired now and unmapped once `lag` more steps have
         ended (0: at once; the batches still in flight might read them until then, see
-        `engine.released_after_step`). When the engine has drained (`is_drained()`, asked
-        only while warm reserve pages exist), the reserve is unmapped too: reserve pages hold
-        no block, so no queued batch can read them, and the next allocation refills it.
+        `engine.released_after_step`). When the engine has drained (`is_drained()`: no request
+        left and no batch in flight; asked only while retired or reserve pages are held), every
+        retired page is unmapped at once, since no batch is left to read it and an idle engine
+        takes no further step that would release it, and the reserve is unmapped too: reserve
+        pages hold no block, and the next allocation refills it.
         """
         released = self.release_idle_pages(block_tokens)
         pool = self._kv.pool
@@ -286,7 +288,10 @@ class ElasticBlockPoolMixin:
         markers.append(pool.capture_release_marker())
         while len(markers) > lag:
             pool.release_retired_through(markers.popleft())
-        if pool.reserve_pages and is_drained():
+        if (markers or pool.reserve_pages) and is_drained():
+            if markers:
+                pool.release_retired_through(markers[-1])  # the newest covers every older one
+                markers.clear()
             pool.trim()
         return released
 

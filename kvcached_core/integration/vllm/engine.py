@@ -7,6 +7,7 @@ between vLLM versions is passed in by that call site.
 from __future__ import annotations
 
 import functools
+import queue
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -129,9 +130,25 @@ def released_after_step(*, pipelined: bool) -> Callable[[F], F]:
 
 
 def on_step_end(core: Any, block_pool: ElasticBlockPoolMixin, lag: int) -> None:
-    scheduler = core.scheduler
-    block_pool.end_step(block_tokens=int(scheduler.block_size), lag=lag,
-                        is_drained=lambda: not scheduler.has_unfinished_requests())
+    block_pool.end_step(block_tokens=int(core.scheduler.block_size), lag=lag,
+                        is_drained=lambda: _drained(core, pipelined=lag > 0))
+
+
+def _drained(core: Any, *, pipelined: bool) -> bool:
+    """No request is left and, for `step_with_batch_queue`, no batch is in flight.
+
+    With a batch queue, a batch scheduled ahead may still run on the device after its
+    requests finished; it is gone only once the queue is empty.
+    """
+    if core.scheduler.has_unfinished_requests():
+        return False
+    return not pipelined or _queue_empty(core.batch_queue)
+
+
+def _queue_empty(batches: Any) -> bool:
+    # EngineCore keeps its in-flight batches in a queue.Queue (no len()) or a deque (no
+    # empty()), depending on the engine: ask each the way it answers.
+    return batches.empty() if isinstance(batches, queue.Queue) else len(batches) == 0
 
 
 # Per single-type manager (vLLM's object, so nothing is written onto it): the size of its
