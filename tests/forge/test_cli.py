@@ -22,8 +22,10 @@ from _fixtures import (
     write_patch,
 )
 
+from forge.build import read_core_version
 from forge.cli import main
 from forge.index import LocalIndex
+from tests.forge.conftest import Member, WheelRecipe, build_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 CELL = "fakeeng-1.0"
@@ -210,10 +212,6 @@ def test_verify_installed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
 
 
 def _core_wheel(core_dir: Path, tags: str) -> Path:
-    from conftest import Member, WheelRecipe, build_wheel
-
-    from forge.build import read_core_version
-
     recipe = WheelRecipe(name="kvcached_core", version=read_core_version(), tags=tags,
                          wheel_tag_line=tags,
                          package={"kvcached_core/__init__.py": Member(b"CORE = 1\n")})

@@ -10,13 +10,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import Member, WheelRecipe, build_wheel
 from packaging.metadata import Metadata
 from packaging.utils import canonicalize_name
 
 from forge.errors import WheelError
 from forge.meta import build_meta_wheel
 from forge.repack import verify_wheel
+from tests.forge.conftest import Member, WheelRecipe, build_wheel
 
 
 def meta(out_dir: Path, **changes: str) -> Path:

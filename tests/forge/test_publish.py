@@ -11,13 +11,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import Member, WheelRecipe, build_wheel, sha256_file
 
 from forge.errors import PublishError
 from forge.index import LocalIndex
 from forge.meta import build_meta_wheel
 from forge.publish import publish
 from forge.repack import RepackSpec, repack_wheel
+from tests.forge.conftest import Member, WheelRecipe, build_wheel, sha256_file
 
 
 def engine_base(out_dir: Path) -> Path:

@@ -99,7 +99,7 @@ def test_forge_session_reaches_the_toolkit_cli() -> None:
     done = subprocess.run([sys.executable, "-m", "nox", "-s", "forge", "--", "transforms",
                            "vllm-0.9"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "transform set of vllm-0.9 (vllm 0.9.2):" in done.stdout
+    assert "transform set of vllm-0.9 (vllm 0.9.2), in application order:" in done.stdout
     assert "patch-set fingerprint: " in done.stdout
     assert "nox -s forge -- transforms vllm-0.9" in README
 

@@ -12,7 +12,6 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import SO_BYTES, TABLE, Member, WheelFactory, record_hash, sha256_file
 
 from forge.errors import WheelError
 from forge.repack import (
@@ -23,6 +22,7 @@ from forge.repack import (
     repack_wheel,
     verify_wheel,
 )
+from tests.forge.conftest import SO_BYTES, TABLE, Member, WheelFactory, record_hash, sha256_file
 
 PATCHED_INIT = b'BUILD = "kvcached"\nfrom fakeeng.core import answer\n'
 
