@@ -226,8 +226,6 @@ def test_publish_needs_the_core_wheels_its_meta_wheels_pin(
         capsys.readouterr()
         assert main(["publish", CELL, "--repository-url", "http://127.0.0.1:9/",
                      "--matrix", str(project.matrix), "--dist", str(project.dist)]) == 1
-    from forge.build import read_core_version
-
     assert capsys.readouterr().err == (
         f"forge: error: fakeeng-1.0: its meta wheels pin kvcached-core=={read_core_version()}, "
         f"but {project.dist / 'core'} holds no such wheel; build it with `nox -s build-core`\n")

@@ -10,7 +10,6 @@ a device that is full even without neighbours' KV is still refused by SGLang's o
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcached_core.integration.sglang.startup import elastic_free_memory_gb
-from kvcached_core.limits import LimitRecord, record_path
+from tests.unit.neighbour_records import write_record
 
 GIB = 1 << 30
 
@@ -38,26 +37,6 @@ class Measure:
         if distributed and self.other_rank_gb is not None:
             return min(self.local_gb, self.other_rank_gb)
         return self.local_gb
-
-
-def write_record(directory: Path, pool: str, *, used: int, reserved: int, pid: int) -> None:
-    record = LimitRecord(pool, limit_bytes=64 * GIB, used_bytes=used, reserved_bytes=reserved,
-                         revision=0, owner_pid=pid, capacity_bytes=64 * GIB)
-    record_path(pool, directory).write_bytes(record.pack())
-
-
-@pytest.fixture
-def records(tmp_path: Path) -> Path:
-    directory = tmp_path / "shm"
-    directory.mkdir()
-    return directory
-
-
-@pytest.fixture
-def dead_pid() -> int:
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
 
 
 def profile_budget_gb(available_gb: float, pre_model_load_gb: float,

@@ -8,10 +8,8 @@ engine's first KV pages.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,8 +19,8 @@ from kvcached_core.integration.vllm.startup_memory import (
     neighbour_kv_bytes,
     startup_memory_short,
 )
-from kvcached_core.limits import LimitRecord, record_path
 from kvcached_core.settings import KVCachedSettings
+from tests.unit.neighbour_records import write_record
 
 GIB = 1 << 30
 STOCK = {"KVCACHED_ENABLE": "0"}
@@ -30,26 +28,6 @@ ELASTIC = {"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": "2MiB",
            "KVCACHED_MIN_RESERVED_PAGES": "5"}
 FIRST_PAGES = 5 * 2 * (1 << 20)
 memory = st.integers(min_value=0, max_value=200 * GIB)
-
-
-def write_record(directory: Path, pool: str, *, used: int, reserved: int, pid: int) -> None:
-    record = LimitRecord(pool, limit_bytes=64 * GIB, used_bytes=used, reserved_bytes=reserved,
-                         revision=0, owner_pid=pid, capacity_bytes=64 * GIB)
-    record_path(pool, directory).write_bytes(record.pack())
-
-
-@pytest.fixture
-def records(tmp_path: Path) -> Path:
-    directory = tmp_path / "shm"
-    directory.mkdir()
-    return directory
-
-
-@pytest.fixture
-def dead_pid() -> int:
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
 
 
 @given(free=memory, requested=memory)
