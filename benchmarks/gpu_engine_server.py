@@ -100,7 +100,10 @@ def serve(args: argparse.Namespace) -> int:
     vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
     prompt_set = PromptSet(args.prompts, args.min_prompt_len, args.max_prompt_len)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_set.token_ids(vocab)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # Token ids only: detokenizing every sequence each step is CPU work both engines share,
+    # and it adds noise to a comparison of what differs (the KV cache).
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            detokenize=args.detokenize)
     geometry = getattr(pool, "geometry", None)
     _emit({"event": "ready", "start_s": round(time.perf_counter() - started, 2),
            "elastic": pool is not None, "device_used": _device_used(),
@@ -147,6 +150,9 @@ def serve(args: argparse.Namespace) -> int:
                 reserve_misses=after.reserve_misses - before.reserve_misses,
                 map_calls=after.map_calls - before.map_calls,
                 map_ns=after.map_ns_total - before.map_ns_total,
+                unmap_calls=after.unmap_calls - before.unmap_calls,
+                unmap_ns=after.unmap_ns_total - before.unmap_ns_total,
+                mapped_pages_after=after.mapped_pages,
             )
         _emit(burst)
     try:  # the patched engine releases its pages and removes its pool record
@@ -272,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-prompt-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=False)
     return serve(parser.parse_args(argv))
 
 

@@ -97,6 +97,12 @@ def summarize(bursts: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str,
         tput = [b["tokens"] / b["seconds"] for b in runs]
         median, low, high = bootstrap_median_ci(paired_ratios(tput, stock_tput))
         ttft = [b["ttft_p50"] for b in runs if b.get("ttft_p50") is not None]
+        ttft_pairs = [b["ttft_p50"] / s["ttft_p50"] for b, s in zip(runs, stock, strict=False)
+                      if b.get("ttft_p50") and s.get("ttft_p50")]
+        ttft_median, ttft_low, ttft_high = bootstrap_median_ci(ttft_pairs)
+        unmaps = sum(b.get("unmap_calls", 0) for b in runs)
+        unmap_ns = sum(b.get("unmap_ns", 0) for b in runs)
+        left_mapped = [b["mapped_pages_after"] for b in runs if "mapped_pages_after" in b]
         hits = sum(b.get("reserve_hits", 0) for b in runs)
         misses = sum(b.get("reserve_misses", 0) for b in runs)
         maps = sum(b.get("map_calls", 0) for b in runs)
@@ -108,9 +114,18 @@ def summarize(bursts: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str,
             "throughput_ratio_ci95": [round(low, 4), round(high, 4)],
             "ttft_p50_ratio": round(statistics.median(ttft) / statistics.median(stock_ttft), 4)
             if ttft and stock_ttft else None,
+            "ttft_p50_pair_ratio": round(ttft_median, 4) if ttft_pairs else None,
+            "ttft_p50_pair_ratio_ci95": [round(ttft_low, 4), round(ttft_high, 4)]
+            if ttft_pairs else None,
             "reserve_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
             "reserve_hits": hits, "reserve_misses": misses, "page_maps": maps,
             "mean_map_us_per_page": round(map_ns / maps / 1000, 1) if maps else None,
+            "page_unmaps": unmaps,
+            "mean_unmap_us_per_page": round(unmap_ns / unmaps / 1000, 1) if unmaps else None,
+            # Pages still mapped when generate() returned: the drained engine's last step
+            # should have left only page 0 (the null block's) and nothing retired.
+            "mapped_pages_after_burst_median": statistics.median(left_mapped)
+            if left_mapped else None,
             "failed_requests": sum(b.get("failed", 0) for b in runs),
         }
     return summary
@@ -233,12 +248,17 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
     limit = str(physical_limit(args))
     specs = [EngineSpec("stock", args.stock_site, kwargs, env={"KVCACHED_ENABLE": "0"},
                         **shape)]
-    for layout in args.layouts.split(","):
+    patched: list[tuple[str, dict[str, str]]] = [
+        (layout, {"KVCACHED_LAYOUT": layout}) for layout in args.layouts.split(",") if layout]
+    for variant in args.variant:  # NAME:KEY=VALUE[,KEY=VALUE...]
+        name, _, settings = variant.partition(":")
+        patched.append((name, dict(item.split("=", 1) for item in settings.split(",") if item)))
+    for name, extra in patched:
         specs.append(EngineSpec(
-            layout, args.patched_site, kwargs, **shape,
-            env={"KVCACHED_LAYOUT": layout, "KVCACHED_PHYSICAL_LIMIT": limit,
+            name, args.patched_site, kwargs, **shape,
+            env={"KVCACHED_LAYOUT": "auto", "KVCACHED_PHYSICAL_LIMIT": limit,
                  "KVCACHED_MAX_RESERVED_PAGES": str(args.max_reserved_pages),
-                 "KVCACHED_POOL_NAME": f"tput-{config}-{layout}"}))
+                 "KVCACHED_POOL_NAME": f"tput-{config}-{name}", **extra}))
     # Stock first and alone (its profile run would take a neighbour's start for an error),
     # then the patched engines together (their start-up checks allow for each other).
     engines: dict[str, EngineProcess] = {}
@@ -296,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu-throughput-out")
     parser.add_argument("--configs", default="v2-eager,v2-graphs,v1-eager,v1-graphs")
     parser.add_argument("--layouts", default="per-layer,contiguous")
+    parser.add_argument("--variant", action="append", default=[],
+                        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="one more patched engine (layout auto) with these settings")
     parser.add_argument("--bursts", type=int, default=20, help="measured bursts per engine")
     parser.add_argument("--warmup", type=int, default=1, help="bursts per engine left out")
     parser.add_argument("--prompts", type=int, default=64)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -153,3 +155,99 @@ def test_a_drained_pipelined_engine_releases_its_pages_in_its_last_step(
     unfinished[0] = False
     engine.on_step_end(core, block_pool, 2)  # the last step: drained, released at once
     assert pool.snapshot().in_use_pages == 1
+
+
+def test_an_in_process_engine_idle_after_its_burst_releases_the_pages_of_its_queued_batch(
+    engine_env: None,
+) -> None:
+    """The in-process LLM stops stepping once every request finished, leaving the batch that
+    was scheduled ahead in the queue: the last step waits for that batch to finish on the
+    device and then releases its pages, instead of keeping the working set while idle."""
+    pool = _register_pool()
+    block_pool: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
+    blocks = block_pool.get_new_blocks(8)
+    ahead: Future[str] = Future()
+    exec_done: Future[None] = Future()
+    exec_done.set_result(None)
+    scheduler = SimpleNamespace(block_size=16, has_unfinished_requests=lambda: False)
+    core = SimpleNamespace(scheduler=scheduler,
+                           batch_queue=deque([(ahead, "scheduler output", exec_done)]))
+    finisher = threading.Timer(0.2, ahead.set_result, args=("model output",))
+    finisher.start()
+    block_pool.free_blocks(blocks)
+    engine.on_step_end(core, block_pool, 2)
+    assert ahead.done()  # waited for, not abandoned
+    assert pool.snapshot().in_use_pages == 1
+    assert len(core.batch_queue) == 1  # the engine's next step still collects it
+
+
+def test_a_queued_batch_that_failed_keeps_its_pages_for_the_next_step_to_report(
+    engine_env: None,
+) -> None:
+    pool = _register_pool()
+    block_pool: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
+    blocks = block_pool.get_new_blocks(8)
+    failed: Future[str] = Future()
+    failed.set_exception(RuntimeError("device error"))
+    scheduler = SimpleNamespace(block_size=16, has_unfinished_requests=lambda: False)
+    core = SimpleNamespace(scheduler=scheduler, batch_queue=deque([(failed, "output")]))
+    block_pool.free_blocks(blocks)
+    engine.on_step_end(core, block_pool, 2)
+    assert pool.snapshot().in_use_pages == 3
+
+
+class _StandInManager:
+    """A single-type manager as far as `none_on_pool_exhausted` restores it."""
+
+    def __init__(self, block_pool: Any) -> None:
+        self.block_pool = block_pool
+        self.req_to_blocks: dict[str, list[Any]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+
+class _StandInKVCacheManager:
+    def __init__(self, block_pool: Any) -> None:
+        self.coordinator = SimpleNamespace(block_pool=block_pool,
+                                           single_type_managers=(_StandInManager(block_pool),))
+        self.calls = 0
+
+    @engine.none_on_pool_exhausted
+    def allocate_slots(self, request: Any, num_new_tokens: int,
+                       num_lookahead_tokens: int = 0) -> list[Any]:
+        """Like vLLM's: the per-request record changes, then blocks for the new tokens."""
+        self.calls += 1
+        manager = self.coordinator.single_type_managers[0]
+        held = manager.req_to_blocks.setdefault(request.request_id, [])
+        manager.num_cached_block[request.request_id] = len(held) + 100  # changed, then...
+        tokens = len(held) * 16 + num_new_tokens + num_lookahead_tokens
+        new = self.coordinator.block_pool.get_new_blocks(-(-tokens // 16) - len(held))
+        held.extend(new)
+        manager.num_cached_block[request.request_id] = len(held)
+        return new
+
+
+def test_a_decode_allocation_within_held_pages_and_one_that_loses_a_page_race(
+    engine_env: None,
+) -> None:
+    pool = _register_pool()
+    block_pool: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
+    manager = _StandInKVCacheManager(block_pool)
+    core = SimpleNamespace(scheduler=SimpleNamespace(block_size=16,
+                                                     has_unfinished_requests=lambda: True),
+                           batch_queue=None)
+    engine.on_step_end(core, block_pool, 0)  # the pool learns the block size
+    request = SimpleNamespace(request_id="A")
+    assert len(manager.allocate_slots(request, 16)) == 1  # the null block's page has room
+    assert block_pool.fits_in_held_pages(1, 1)
+    assert pool.snapshot().in_use_pages == 1
+    # A competitor takes every other page: an allocation that needs a new page loses the race
+    # inside the call and leaves the request as it was, per-request record included.
+    pool.set_limit(pool.snapshot().in_use_pages * PAGE)
+    assert not block_pool.fits_in_held_pages(64, 1)
+    assert manager.allocate_slots(request, 64) is None
+    stand_in = manager.coordinator.single_type_managers[0]
+    assert [b.block_id for b in stand_in.req_to_blocks["A"]] == [1]
+    assert stand_in.num_cached_block["A"] == 1
+    # Within the held page, the same request grows with no snapshot and no new page.
+    assert len(manager.allocate_slots(request, 16)) == 1
+    assert stand_in.num_cached_block["A"] == 2 and pool.snapshot().in_use_pages == 1

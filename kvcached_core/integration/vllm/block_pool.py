@@ -93,6 +93,8 @@ class ElasticBlockPoolMixin:
         self._kv_trim_exhausted = False
         # Release markers of the engine steps whose batches may still read retired pages.
         self._kv_release_markers: deque[int] = deque()
+        # Tokens per vLLM block, learnt at the first step end (0 until then).
+        self._kv_block_tokens = 0
         null_page = engine_pool.pool.null_block_id
         if null_page != 0:
             raise ValueError(f"kvcached pool must hold the null block on page 0, got {null_page}")
@@ -134,6 +136,20 @@ class ElasticBlockPoolMixin:
         if unheld == 0:
             return held_free
         return held_free + min(unheld, self._kv_mappable_pages() * self._kv_k)
+
+    def fits_in_held_pages(self, tokens: int, groups: int) -> bool:
+        """Whether adding at most `tokens` tokens to one request in each of `groups` KV cache
+        groups needs no block beyond the free blocks of held pages: such an allocation maps
+        nothing, so it cannot lose a page race to another engine.
+
+        A request holding the blocks of its c computed tokens needs at most
+        ceil((c + t) / b) - ceil(c / b) <= ceil(t / b) new blocks for t more tokens (one more
+        is allowed for slack). False until the block size is known.
+        """
+        block_tokens = self._kv_block_tokens
+        if block_tokens <= 0:
+            return False
+        return self._held_free_blocks() >= groups * (-(-tokens // block_tokens) + 1)
 
     # ------------------------------------------------------------------ allocation
 
@@ -282,6 +298,7 @@ class ElasticBlockPoolMixin:
         takes no further step that would release it, and the reserve is unmapped too: reserve
         pages hold no block, and the next allocation refills it.
         """
+        self._kv_block_tokens = block_tokens
         released = self.release_idle_pages(block_tokens)
         pool = self._kv.pool
         markers = self._kv_release_markers

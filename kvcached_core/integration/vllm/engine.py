@@ -138,17 +138,43 @@ def _drained(core: Any, *, pipelined: bool) -> bool:
     """No request is left and, for `step_with_batch_queue`, no batch is in flight.
 
     With a batch queue, a batch scheduled ahead may still run on the device after its
-    requests finished; it is gone only once the queue is empty.
+    requests finished; it is over once its futures are (`_queued_batches_finished`).
     """
     if core.scheduler.has_unfinished_requests():
         return False
-    return not pipelined or _queue_empty(core.batch_queue)
+    return not pipelined or _queued_batches_finished(core.batch_queue)
 
 
-def _queue_empty(batches: Any) -> bool:
-    # EngineCore keeps its in-flight batches in a queue.Queue (no len()) or a deque (no
-    # empty()), depending on the engine: ask each the way it answers.
-    return batches.empty() if isinstance(batches, queue.Queue) else len(batches) == 0
+def _queued_batches_finished(batches: Any) -> bool:
+    """Whether every batch still queued has finished, waiting for them if need be.
+
+    With no unfinished request left, a queued batch holds only finished requests: it was
+    scheduled ahead before their last tokens came back. A caller that steps the engine only
+    while it has unfinished requests (the in-process LLM does) never takes the step that would
+    collect it, so without this wait the pages that batch may still read, the whole working
+    set of the last burst, would stay mapped while the engine idles. A batch's futures
+    complete once every rank has finished it (see `released_after_step`), so waiting for them
+    here costs at most the rest of one step's device time, once, when the engine goes idle;
+    the step that later pops the batch finds them done. A queued item without a future, or a
+    future that failed, leaves the pages mapped (the engine's next step reports the failure).
+    """
+    # EngineCore keeps its in-flight batches in a queue.Queue (FIFO; no len()) or in a deque
+    # filled with appendleft (the oldest on the right), depending on the engine.
+    fifo = isinstance(batches, queue.Queue)
+    items = list(batches.queue) if fifo else list(reversed(batches))
+    for item in items:
+        parts = item if isinstance(item, tuple) else (item,)
+        futures = [part for part in parts
+                   if callable(getattr(part, "result", None))
+                   and callable(getattr(part, "done", None))]
+        if not futures:
+            return False
+        for future in futures:  # oldest batch first, as the engine would collect them
+            try:
+                future.result()
+            except Exception:
+                return False
+    return True
 
 
 # Per single-type manager (vLLM's object, so nothing is written onto it): the size of its
@@ -175,6 +201,25 @@ def _request_keyed_dicts(manager: Any) -> tuple[str, ...]:
 _ABSENT = object()
 
 
+def _token_bound(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """An upper bound on the tokens an allocate_slots call adds to its request, or None.
+
+    Every token count allocate_slots takes (new, new computed, external, lookahead, encoder
+    tokens, in every supported vLLM) is an int argument, so their sum bounds what the call can
+    add. A call that passes anything else (prefix-cache hits to touch) is not bounded here.
+    """
+    total = 0
+    for value in (*args, *kwargs.values()):
+        if value is None:
+            continue
+        if type(value) is not int and type(value) is not bool:
+            return None
+        if value < 0:
+            return None
+        total += value
+    return total
+
+
 def none_on_pool_exhausted(allocate_slots: F) -> F:
     """Decorate KVCacheManager.allocate_slots: a lost page race ends as "no blocks" (None).
 
@@ -188,6 +233,13 @@ def none_on_pool_exhausted(allocate_slots: F) -> F:
     @functools.wraps(allocate_slots)
     def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         managers = self.coordinator.single_type_managers
+        block_pool = self.coordinator.block_pool
+        if isinstance(block_pool, ElasticBlockPoolMixin):
+            tokens = _token_bound(args, kwargs)
+            if tokens is not None and block_pool.fits_in_held_pages(tokens, len(managers)):
+                # Nothing to map, so no page race to lose: skip the snapshot, which costs
+                # more than the allocation itself, on every decode step of every request.
+                return allocate_slots(self, request, *args, **kwargs)
         request_id = request.request_id
         before = [len(m.req_to_blocks[request_id]) if request_id in m.req_to_blocks else None
                   for m in managers]
