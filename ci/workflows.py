@@ -274,15 +274,29 @@ def pull_request_workflow(sessions: Sequence[Mapping], cells: Sequence[Mapping],
     }
 
 
+# upgrade-scan --json: [{"engine", "newest_cell", "newest_cell_version", "newer": [...]}];
+# the check job wants one {"engine", "version"} per newer release.
 SCAN_SCRIPT = """\
 nox -s upgrade-scan -- --json > scan.json
-releases=$(jq -c '[.[] | {engine, version}]' scan.json)
+releases=$(jq -c '[.[] | .engine as $engine | .newer[] | {engine: $engine, version: .}]' scan.json)
 echo "releases=$releases" >> "$GITHUB_OUTPUT"
 echo "count=$(jq length <<< "$releases")" >> "$GITHUB_OUTPUT"
 """
 
+# --write-cell appends the proposed experimental cell to matrix.toml (only when every required
+# seam has a working transform); the report folder keeps the unreviewed diffs.
 CHECK_SCRIPT = """\
-nox -s upgrade-check -- "$ENGINE" "$VERSION" --out "$REPORT_DIR"
+nox -s upgrade-check -- "$ENGINE" "$VERSION" --out "$REPORT_DIR" --write-cell
+"""
+
+# The pull request's description: the report, and where its folder (unreviewed diffs, trial
+# wheels' logs) can be downloaded.
+DESCRIBE_SCRIPT = """\
+{
+  cat "$REPORT_DIR/report.md"
+  echo
+  echo "The report folder, unreviewed diffs included, is the artifact $ARTIFACT of $RUN_URL"
+} > "$RUNNER_TEMP/pull-request.md"
 """
 
 
@@ -290,6 +304,7 @@ def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
     python = project_session(sessions, "tests").get("python") or "3.11"
     report_dir = f"{UPGRADE_REPORTS}/${{{{ matrix.engine }}}}-${{{{ matrix.version }}}}"
     release = "${{ matrix.engine }} ${{ matrix.version }}"
+    artifact = "upgrade-report-${{ matrix.engine }}-${{ matrix.version }}"
     return {
         "name": "upgrade",
         "on": {"schedule": [{"cron": UPGRADE_CRON}], "workflow_dispatch": {}},
@@ -331,12 +346,20 @@ def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
                         "if": "always()",
                         "uses": UPLOAD_ARTIFACT,
                         "with": {
-                            "name": "upgrade-report-${{ matrix.engine }}-${{ matrix.version }}",
+                            "name": artifact,
                             "path": report_dir,
                             "if-no-files-found": "warn",
                         },
                     },
                     {
+                        "name": "Describe the pull request",
+                        "env": {"ARTIFACT": artifact,
+                                "RUN_URL": "${{ github.server_url }}/${{ github.repository }}"
+                                           "/actions/runs/${{ github.run_id }}"},
+                        "run": DESCRIBE_SCRIPT,
+                    },
+                    {
+                        # Opens nothing when the check proposed no cell: matrix.toml is unchanged.
                         "name": "Open a pull request with the experimental cell",
                         "uses": CREATE_PULL_REQUEST,
                         "with": {
@@ -344,8 +367,8 @@ def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
                             "delete-branch": True,
                             "title": f"Experimental cell: {release}",
                             "commit-message": f"Experimental cell: {release} (upgrade check)",
-                            "body-path": f"{report_dir}/report.md",
-                            "add-paths": "matrix.toml\npatches/\n",
+                            "body-path": "${{ runner.temp }}/pull-request.md",
+                            "add-paths": "matrix.toml",
                         },
                     },
                 ],

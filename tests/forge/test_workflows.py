@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -129,17 +131,39 @@ def test_upgrade_workflow_scans_daily_checks_each_release_and_proposes_the_cell(
     assert check["strategy"]["matrix"]["include"] == \
         "${{ fromJSON(needs.scan.outputs.releases) }}"
     steps = check["steps"]
-    assert any('nox -s upgrade-check -- "$ENGINE" "$VERSION" --out "$REPORT_DIR"'
+    assert any('nox -s upgrade-check -- "$ENGINE" "$VERSION" --out "$REPORT_DIR" --write-cell'
                in step.get("run", "") for step in steps)
     assert check["env"]["REPORT_DIR"] == \
         "reports/upgrade/${{ matrix.engine }}-${{ matrix.version }}"
     upload = next(s for s in steps if "actions/upload-artifact@" in s.get("uses", ""))
     assert upload["if"] == "always()" and upload["with"]["path"] == check["env"]["REPORT_DIR"]
     opened = next(s for s in steps if "create-pull-request@" in s.get("uses", ""))
-    assert opened["with"]["add-paths"].split() == ["matrix.toml", "patches/"]
+    assert opened["with"]["add-paths"] == "matrix.toml"
+    assert opened["with"]["body-path"] == "${{ runner.temp }}/pull-request.md"
+    described = next(s for s in steps if "/pull-request.md" in s.get("run", ""))
+    assert 'cat "$REPORT_DIR/report.md"' in described["run"]
     # only the job that opens the pull request may write
     assert document["permissions"] == {"contents": "read"}
     assert check["permissions"] == {"contents": "write", "pull-requests": "write"}
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq (on every GitHub runner) is absent")
+def test_the_scan_step_turns_the_scan_into_one_check_per_new_release(tmp_path: Path) -> None:
+    scan_step = yaml.safe_load((REPO / UPGRADE).read_text())["jobs"]["scan"]["steps"][-1]
+    script = scan_step["run"].replace("nox -s upgrade-scan -- --json > scan.json\n", "")
+    (tmp_path / "scan.json").write_text(json.dumps([
+        {"engine": "sglang", "newest_cell": "sglang-0.5", "newest_cell_version": "0.5.23",
+         "newer": []},
+        {"engine": "vllm", "newest_cell": "vllm-0.32", "newest_cell_version": "0.32.0",
+         "newer": ["0.33.0", "0.33.1"]},
+    ]))
+    output = tmp_path / "github-output"
+    subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, check=True,
+                   env={"PATH": os.environ["PATH"], "GITHUB_OUTPUT": str(output)})
+    values = dict(line.split("=", 1) for line in output.read_text().splitlines())
+    assert json.loads(values["releases"]) == [{"engine": "vllm", "version": "0.33.0"},
+                                              {"engine": "vllm", "version": "0.33.1"}]
+    assert values["count"] == "2"
 
 
 @pytest.mark.parametrize("path", [PULL_REQUEST, UPGRADE])
