@@ -278,7 +278,7 @@ def pull_request_workflow(sessions: Sequence[Mapping], cells: Sequence[Mapping],
 # the check job wants one {"engine", "version"} per newer release.
 SCAN_SCRIPT = """\
 nox -s upgrade-scan -- --json > scan.json
-releases=$(jq -c '[.[] | .engine as $engine | .newer[] | {engine: $engine, version: .}]' scan.json)
+releases=$(jq -c '[.[] | {engine, version: .newer[]}]' scan.json)
 echo "releases=$releases" >> "$GITHUB_OUTPUT"
 echo "count=$(jq length <<< "$releases")" >> "$GITHUB_OUTPUT"
 """
