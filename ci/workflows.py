@@ -96,7 +96,7 @@ def nox_requirement(root: Path) -> str:
 def cell_jobs(sessions: Sequence[Mapping], cells: Sequence[Mapping]) -> list[CellJob]:
     """One job per supported cell that has both a build and a test session, sorted by name."""
     by_name = {s["session"]: s for s in sessions}
-    versions = {f"{c['engine']}-{c['series']}": c for c in cells}
+    cells_by_name = {f"{c['engine']}-{c['series']}": c for c in cells}
     jobs = []
     for session in sessions:
         tags = session.get("tags", [])
@@ -104,10 +104,10 @@ def cell_jobs(sessions: Sequence[Mapping], cells: Sequence[Mapping]) -> list[Cel
             continue
         cell = session["session"].removeprefix("build-")
         test = by_name.get(f"test-{cell}")
-        if cell not in versions or test is None:
+        if cell not in cells_by_name or test is None:
             continue
-        jobs.append(CellJob(cell=cell, engine=versions[cell]["engine"],
-                            version=versions[cell]["version"],
+        jobs.append(CellJob(cell=cell, engine=cells_by_name[cell]["engine"],
+                            version=cells_by_name[cell]["version"],
                             python=session.get("python") or "3.11",
                             build_session=session["session"], test_session=test["session"]))
     return sorted(jobs, key=lambda job: job.cell)
