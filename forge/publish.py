@@ -259,6 +259,35 @@ def _reason(exc: BaseException) -> str:
     return _first_line(text) or type(exc).__name__
 
 
+# --- which cells may be published ----------------------------------------------------------
+
+ALLOW_EXPERIMENTAL_FLAG = "--allow-experimental"
+
+
+def check_publishable(cell: str, status: str, reason: str | None, *,
+                      allow_experimental: bool) -> None:
+    """Refuses, in one line, a cell users must not be offered.
+
+    A `supported` cell is published whole. An `experimental` cell only when asked for
+    explicitly, and then without its meta wheels (`meta_wheels_published`): the meta name is
+    what users install, so it only ever pins a supported build. A `broken` cell never.
+    """
+    if status == "supported":
+        return
+    why = f" ({reason})" if reason else ""
+    if status == "broken":
+        raise PublishError(f"cell {cell} is broken{why}: a broken cell is never published")
+    if not allow_experimental:
+        raise PublishError(
+            f"cell {cell} is experimental{why}: not published unless asked with "
+            f"{ALLOW_EXPERIMENTAL_FLAG}, and then without its meta wheels")
+
+
+def meta_wheels_published(status: str) -> bool:
+    """Whether a cell's meta wheels (`kvcached-<engine>`, the name users install) go up."""
+    return status == "supported"
+
+
 # --- what a cell's publish uploads ---------------------------------------------------------
 
 CORE_DIST = "kvcached-core"
@@ -279,6 +308,11 @@ class CellRelease:
     def ordered(self) -> list[Path]:
         # Nothing may be visible before what it needs: a meta wheel pins the other two.
         return [*self.engine_wheels, *self.core_wheels, *self.meta_wheels]
+
+    @property
+    def without_meta(self) -> list[Path]:
+        """What an experimental cell uploads: the builds, never the name users install."""
+        return [*self.engine_wheels, *self.core_wheels]
 
 
 def _is_meta(wheel: Path) -> bool:
