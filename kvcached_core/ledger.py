@@ -138,6 +138,11 @@ class BlockLedger:
         return self._target_pages * self.blocks_per_page
 
     @property
+    def capacity_blocks(self) -> int:
+        """Blocks of the whole address range, whatever the limit."""
+        return self._total_blocks
+
+    @property
     def num_used_blocks(self) -> int:
         return self._num_used
 
@@ -155,7 +160,17 @@ class BlockLedger:
         return int(self._allocator.num_in_use) > self._target_pages
 
     def available_size(self) -> int:
-        """Blocks the next `alloc` accepts (O(1))."""
+        """Blocks the next `alloc` accepts (O(1)).
+
+        Scheduler thread only: a limit the watcher published is applied first, as `alloc`
+        would apply it. A scheduler checks capacity before it allocates, so a raised limit
+        must be seen by the check, or a scheduler that refuses everything never allocates.
+        """
+        if self._pending_resize is not None and self._failure is None:
+            self._apply_pending_resize()
+        return self._available_blocks()
+
+    def _available_blocks(self) -> int:
         return (
             self._partial_free
             + len(self._set_aside)
@@ -522,7 +537,7 @@ class BlockLedger:
             num_blocks=self.num_blocks,
             num_used_blocks=self._num_used,
             num_set_aside_blocks=self.num_set_aside_blocks,
-            available_blocks=self.available_size(),
+            available_blocks=self._available_blocks(),
             blocks_per_page=self.blocks_per_page,
             block_bytes=self.block_bytes,
             page_size=self.page_size,

@@ -357,6 +357,8 @@ class KVPool:
         self.ledger.free(block_ids)
 
     def available_size(self) -> int:
+        """Blocks the next `alloc` accepts, under the current limit (scheduler thread: a
+        limit `kvctl` published is applied first)."""
         return self.ledger.available_size()
 
     @property
@@ -366,6 +368,11 @@ class KVPool:
     @property
     def num_blocks(self) -> int:
         return self.ledger.num_blocks
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks of the pool's whole address range, whatever its limit."""
+        return self.ledger.capacity_blocks
 
     @property
     def blocks_per_page(self) -> int:

@@ -228,6 +228,30 @@ def test_kvctl_limit_reaches_the_pool_through_the_watcher(shm: Path) -> None:
         assert len(kv.alloc(15)) == 15
 
 
+def test_a_limit_set_with_kvctl_is_seen_by_the_next_capacity_check_before_any_alloc(
+        shm: Path) -> None:
+    # A scheduler checks capacity before it allocates: one that refuses everything under a low
+    # limit must see the limit raised without allocating first.
+    with make_pool("check", physical_limit_bytes=4 * PAGE) as kv:  # one page, all layers
+        page_all = kv.geometry.page_bytes_all_layers
+        assert page_all == 4 * PAGE
+        held_back = kv.available_size()
+        assert held_back == kv.blocks_per_page - 1  # the null block's page, nothing more
+        assert kvctl_main(["limit", "check", str(4 * page_all)]) == 0
+        deadline = time.monotonic() + 5
+        while kv.available_size() == held_back:
+            assert time.monotonic() < deadline, "the raised limit never reached the check"
+            time.sleep(0.01)
+        assert kv.available_size() == 4 * kv.blocks_per_page - 1  # less the null block
+        assert kv.num_blocks == 4 * kv.blocks_per_page
+        assert kvctl_main(["limit", "check", str(2 * page_all)]) == 0
+        deadline = time.monotonic() + 5
+        while kv.available_size() != 2 * kv.blocks_per_page - 1:
+            assert time.monotonic() < deadline, kv.available_size()
+            time.sleep(0.01)
+        assert kv.num_blocks == 2 * kv.blocks_per_page
+
+
 def test_a_truncated_limit_record_is_rewritten_by_its_owner_which_keeps_watching(
     shm: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,10 +4,19 @@ The ledger block of a pool is one SGLang page (`page_size` slots; one slot when 
 token), so ledger block ids are SGLang page ids and token slot `t` lives in block
 `t // page_size`. Block 0 is the ledger's null block: SGLang's padding page.
 
-`available_size()` reports the logical free capacity, `(num_pages - pages held) * page_size`.
-That keeps SGLang's scheduler invariant `available + evictable + protected + session_held ==
-max_total_num_tokens` exactly true (see the registry entry of the allocator transforms): the
-pool's capacity is sized from the kvcached budget, so every admitted allocation can be backed.
+Two sizes, because SGLang asks two questions:
+
+- `available_size()` is the logical free capacity, `(num_pages - pages held) * page_size`, what
+  the stock free lists report. SGLang's idle leak check asserts `available + evictable +
+  protected + session_held == max_total_num_tokens` and raises when it fails, so this number
+  must not move with a physical limit.
+- `kvcached_allocatable_size()` is what an allocation can take now under the pool's physical
+  limit (`KVCACHED_PHYSICAL_LIMIT`, `kvctl limit`, a budget): free slots of mapped pages plus
+  the pages the limit still allows, never more than the logical free capacity. SGLang lets the
+  allocator own its capacity gates: the prefill admission budget (`create_prefill_budget`),
+  eviction before an allocation (`evict_to_free_tokens`) and the decode check
+  (`check_decode_capacity`, which retraction converges on) all use this size, so a lowered
+  limit makes the scheduler wait, evict or retract instead of taking its out-of-memory path.
 
 A pool's physical region is whole pages, so its last page may hold blocks past SGLang's last
 page id. The ledger hands those out only when nothing lower is free; they are parked (held,
@@ -16,6 +25,7 @@ never given to SGLang) and handed back as soon as SGLang holds no block at all.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
@@ -86,6 +96,37 @@ class _ElasticLedger:
     def available_tokens(self, page_size: int) -> int:
         return (self.num_pages - self.held) * page_size
 
+    def allocatable_pages(self) -> int:
+        """SGLang pages a `take` gets now under the pool's physical limit (O(1)).
+
+        The least of: the logical free pages; what the pool can hand out now (free blocks of
+        mapped pages, plus the pages the limit still allows) less the ids past SGLang's last
+        page, which SGLang never gets; and the blocks the limit allows less those held (the
+        null block, SGLang's, the parked ones). Negative while the pool holds more than a
+        lowered limit allows: that many pages must be freed before anything is allocatable.
+        """
+        pool = self.pool
+        parked = len(self.parked)
+        logical = self.num_pages - self.held
+        beyond = max(0, pool.capacity_blocks - self.limit - parked)
+        now = pool.available_size() - beyond  # applies a limit kvctl published
+        headroom = min(pool.num_blocks - parked, self.limit) - 1 - self.held
+        return min(logical, now, headroom)
+
+
+@functools.cache
+def _limited_prefill_budget() -> type:
+    """SGLang's PrefillBudget whose free capacity leaves out what the physical limit withholds
+    (its `_available_and_evictable` is the hook SGLang's own SWA budget overrides)."""
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    class ElasticPrefillBudget(PrefillBudget):
+        def _available_and_evictable(self) -> int:
+            return int(super()._available_and_evictable()
+                       - self.allocator.kvcached_withheld_size())
+
+    return ElasticPrefillBudget
+
 
 def _ids_tensor(ids: list[int], device: Any) -> torch.Tensor:
     import torch
@@ -125,6 +166,43 @@ class _ElasticAllocatorCommon:
     def available_size(self) -> int:
         assert self._kvcached is not None
         return self._kvcached.available_tokens(self.page_size)  # type: ignore[attr-defined]
+
+    def kvcached_allocatable_size(self) -> int:
+        """Slots an allocation can take now under the physical limit (negative: over it)."""
+        assert self._kvcached is not None
+        return self._kvcached.allocatable_pages() * self.page_size  # type: ignore[attr-defined]
+
+    def kvcached_withheld_size(self) -> int:
+        """Logically free slots the physical limit does not let an allocation take now."""
+        return self.available_size() - self.kvcached_allocatable_size()
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
+                              ) -> Any:
+        """SGLang's prefill admission budget, short of the slots the physical limit withholds
+        (PrefillAdder takes it from the allocator)."""
+        return _limited_prefill_budget()(self, tree_cache,
+                                         num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
+        """SGLang's eviction before an allocation, then more until `num_tokens` are
+        allocatable under the physical limit (evicting frees pages the limit counts)."""
+        result = super().evict_to_free_tokens(tree_cache, num_tokens)  # type: ignore[misc]
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return result
+        shortfall = num_tokens - self.kvcached_allocatable_size()
+        if shortfall > 0 and tree_cache.evictable_size() > 0:
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            evict = getattr(tree_cache, "evict_for_alloc", tree_cache.evict)
+            evict(EvictParams(num_tokens=shortfall))
+        return result
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
+                              spec_algorithm: Any = None) -> bool:
+        """Whether the next decode step's allocation fits, after eviction, under the
+        physical limit; when it does not, SGLang retracts requests until it does."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.kvcached_allocatable_size() >= num_tokens
 
     def merge_and_sort_free(self) -> None:
         # Frees go straight back to the ledger: nothing is ever staged.

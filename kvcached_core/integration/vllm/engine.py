@@ -7,6 +7,7 @@ between vLLM versions is passed in by that call site.
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import weakref
 from collections.abc import Callable, Iterable
@@ -18,6 +19,7 @@ from kvcached_core.integration.vllm.block_pool import ElasticBlockPoolMixin
 from kvcached_core.integration.vllm.config import engine_settings, pool_name, virtual_kv_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger(__name__)
 
 
 def workers_in_other_processes(executor_backend: object, world_size: int) -> bool:
@@ -48,8 +50,9 @@ def kv_cache_budget(
     """The KV bytes vLLM sizes its block table from: the virtual KV size.
 
     vLLM's own `kv_cache_memory_bytes` / `num_gpu_blocks_override` win when a user set them;
-    otherwise `KVCACHED_VIRTUAL_SIZE` if set, else vLLM's profiled budget. The result is rounded
-    down so that every layer region is whole kvcached pages (what the KV buffers need).
+    otherwise `KVCACHED_VIRTUAL_SIZE` if set, else vLLM's profiled budget. The result is whole
+    kvcached pages of blocks in every layer region (what the KV buffers need), rounded so that
+    the patched engine starts wherever the stock one does (`whole_pages_budget`).
 
     When the executor runs the workers in other processes, the job is announced here, before
     the workers allocate their KV buffers, so that they serve them to this scheduler.
@@ -73,14 +76,31 @@ def kv_cache_budget(
     # A vLLM block is `size` (one plane) or `size // 2` (K/V planes) bytes of a layer region.
     smallest_unit = min(sizes) // 2 or 1
     blocks_per_page = max(1, settings.page_size // smallest_unit)
-    block_all_layers = sum(sizes)
-    quantum = block_all_layers * blocks_per_page
-    rounded = [(budget // quantum) * quantum for budget in available]
-    if any(r <= 0 for r in rounded):
-        raise KVCachedConfigError(
-            f"KV budget {available} holds less than one kvcached page of blocks "
-            f"({quantum} bytes); raise it or lower KVCACHED_PAGE_SIZE"
-        )
+    quantum = sum(sizes) * blocks_per_page
+    user_set = bool(user_kv_bytes) and user_num_blocks is None
+    return [whole_pages_budget(budget, quantum, user_set=user_set) for budget in available]
+
+
+def whole_pages_budget(budget: int, page_of_blocks: int, *, user_set: bool) -> int:
+    """`budget` bytes as whole kvcached pages of blocks (`page_of_blocks` bytes each).
+
+    A budget the user set (`kv_cache_memory_bytes`) is rounded up: vLLM then has at least
+    the blocks the stock engine has, so every configuration that starts stock (the model's
+    longest sequence fits, a budget below one page) starts patched. The pool's capacity is
+    the rounded budget, so it maps less than `page_of_blocks` bytes beyond what the user
+    set. A profiled or `KVCACHED_VIRTUAL_SIZE` budget is rounded down (profiling found no
+    more free), but never below one page: a budget too small for a page still starts, as
+    the stock engine does.
+    """
+    if budget <= 0:
+        return budget  # vLLM's own "no memory for the KV cache" error stays vLLM's
+    if user_set:
+        rounded = -(-budget // page_of_blocks) * page_of_blocks
+    else:
+        rounded = max(1, budget // page_of_blocks) * page_of_blocks
+    if rounded != budget:
+        logger.info("kvcached: KV budget of %d bytes rounded to %d (whole %d-byte pages of "
+                    "blocks)", budget, rounded, page_of_blocks)
     return rounded
 
 

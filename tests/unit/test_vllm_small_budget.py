@@ -1,0 +1,150 @@
+"""A KV budget smaller than one kvcached page starts, as it does on stock vLLM (host backend).
+
+The case: a 16-layer model (Llama 3.2 1B's KV shape: 8 KV heads of 64, bf16, 16-token blocks)
+with `kv_cache_memory_bytes` = 32 MiB and the default 2 MiB page. One kvcached page of blocks
+across every layer and K/V plane is 64 MiB, so the budget used to be refused at start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcached_core.integration.vllm import engine, kv_tensor_buffer, pools
+
+MIB = 1 << 20
+PAGE = 2 * MIB  # the default KVCACHED_PAGE_SIZE
+LAYERS, BLOCK_TOKENS, HEADS, HEAD_SIZE = 16, 16, 8, 64
+BLOCK_BYTES = 2 * BLOCK_TOKENS * HEADS * HEAD_SIZE * 2  # K and V, bf16: 32 KiB per layer
+USER_BUDGET = 32 * MIB
+STOCK_BLOCKS = USER_BUDGET // (BLOCK_BYTES * LAYERS)  # what stock vLLM sizes: 64 blocks
+PAGE_OF_BLOCKS = 64 * MIB  # one 2 MiB page of half-blocks in each of 16 layers x 2 planes
+
+
+def blocks_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def kv_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def nhd() -> tuple[int, ...]:
+    return (0, 1, 2, 3, 4)
+
+
+@dataclass
+class Spec:
+    block_size: int = BLOCK_TOKENS
+    num_kv_heads: int = HEADS
+    head_size: int = HEAD_SIZE
+    page_size_bytes: int = BLOCK_BYTES
+
+
+@dataclass
+class Group:
+    kv_cache_spec: Spec
+    layer_names: list[str]
+
+
+@dataclass
+class Tensor:
+    size: int
+    shared_by: list[str]
+    block_stride: int = 0
+
+
+@dataclass
+class Config:
+    kv_cache_tensors: list[Tensor]
+    kv_cache_groups: list[Group]
+
+
+@pytest.fixture
+def elastic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    name = f"small-budget-{os.getpid()}"
+    for key in [k for k in os.environ if k.startswith("KVCACHED_")]:
+        monkeypatch.delenv(key)
+    for key, value in {"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(PAGE),
+                       "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0",
+                       "KVCACHED_PREALLOC": "0", "KVCACHED_POOL_NAME": name,
+                       "KVCACHED_SHM_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    yield name
+    pools.close(name)
+
+
+def budget(available: int, *, user_kv_bytes: int | None) -> int:
+    """What the rewritten EngineCore._initialize_kv_caches hands vLLM for a uni engine."""
+    [result] = engine.kv_cache_budget([available], block_bytes_per_layer=[BLOCK_BYTES] * LAYERS,
+                                      user_kv_bytes=user_kv_bytes, user_num_blocks=None,
+                                      executor_backend="uni", world_size=1)
+    return result
+
+
+def test_a_user_budget_below_one_page_is_rounded_up_to_one_page(elastic: str) -> None:
+    assert budget(USER_BUDGET, user_kv_bytes=USER_BUDGET) == PAGE_OF_BLOCKS
+
+
+@pytest.mark.parametrize("pages", [1, 2, 3])
+def test_a_user_budget_is_rounded_up_to_whole_pages_never_down(elastic: str,
+                                                               pages: int) -> None:
+    # Rounding down could leave fewer blocks than the model's longest sequence needs, which
+    # the stock engine (exactly the user's bytes) would have had.
+    user = pages * PAGE_OF_BLOCKS - BLOCK_BYTES * LAYERS
+    assert budget(user, user_kv_bytes=user) == pages * PAGE_OF_BLOCKS
+    assert budget(pages * PAGE_OF_BLOCKS, user_kv_bytes=pages * PAGE_OF_BLOCKS) == (
+        pages * PAGE_OF_BLOCKS)
+
+
+def test_a_profiled_budget_rounds_down_but_never_below_one_page(elastic: str) -> None:
+    assert budget(PAGE_OF_BLOCKS * 3 - 1, user_kv_bytes=None) == PAGE_OF_BLOCKS * 2
+    assert budget(USER_BUDGET, user_kv_bytes=None) == PAGE_OF_BLOCKS
+    assert budget(0, user_kv_bytes=None) == 0  # vLLM's own "no memory" error stays its own
+
+
+ShapeOf = Callable[..., tuple[int, ...]]
+
+
+@pytest.mark.parametrize(("shape_of", "contiguous"), [
+    pytest.param(blocks_first_shape, True, id="blocks-first-contiguous"),
+    pytest.param(kv_first_shape, False, id="kv-planes-per-layer"),
+])
+def test_the_rounded_budget_gives_the_kv_buffers_every_block_stock_vllm_has(
+        elastic: str, shape_of: ShapeOf, contiguous: bool) -> None:
+    kv_bytes = budget(USER_BUDGET, user_kv_bytes=USER_BUDGET)
+    # vLLM's sizing: the budget over every layer's block, each layer a buffer of those blocks.
+    num_blocks = kv_bytes // (BLOCK_BYTES * LAYERS)
+    assert num_blocks >= STOCK_BLOCKS
+    names = [f"model.layers.{i}.attn" for i in range(LAYERS)]
+    config = Config([Tensor(num_blocks * BLOCK_BYTES, [n]) for n in names],
+                    [Group(Spec(), names)])
+    buffers = [kv_tensor_buffer(torch.zeros, t.size, dtype=torch.int8,
+                                device=torch.device("cpu"), kv_cache_config=config,
+                                kv_cache_tensor=t, block_stride=0,
+                                kv_layouts=[(names, shape_of, nhd)])
+               for t in config.kv_cache_tensors]
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None
+    pool = engine_pool.pool
+    assert pool.geometry.contiguous is contiguous
+    assert [b.numel() for b in buffers] == [t.size for t in config.kv_cache_tensors]
+    # The pool holds every block the stock engine has; backing all of it stays within the
+    # rounded budget, and every one of those blocks (but the null block) takes writes in
+    # every layer.
+    assert engine_pool.num_blocks >= STOCK_BLOCKS
+    pool.alloc(pool.available_size())
+    assert USER_BUDGET <= pool.mapped_bytes() <= kv_bytes
+    assert kv_bytes - USER_BUDGET < PAGE_OF_BLOCKS
+    block_dim = 0 if shape_of is blocks_first_shape else 1
+    for layer, raw in enumerate(buffers):
+        kv = raw.view(torch.bfloat16).view(shape_of(num_blocks, BLOCK_TOKENS, HEADS, HEAD_SIZE))
+        kv.narrow(block_dim, 1, STOCK_BLOCKS - 1).fill_(float(layer + 1))
+        assert float(kv.select(block_dim, STOCK_BLOCKS - 1).float().mean()) == layer + 1
