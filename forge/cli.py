@@ -95,9 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="append the proposed experimental cell to the matrix (default: "
                               "only <out>/matrix-entry.toml)")
     upgrade.add_argument("--no-build", action="store_true",
-                         help="never build the proposed cell's wheels")
+                         help="do not build the proposed cell's trial wheels (in <out>/dist/)")
     upgrade.add_argument("--no-l1", action="store_true",
-                         help="never run the proposed cell's L1 tests")
+                         help="say in the report that L1 was left out on purpose (the cell's "
+                              "L0/L1 proofs run in `nox -s test-<cell>` once it is reviewed)")
 
     scan = commands.add_parser("upgrade-scan", parents=[common, build_opts],
                                help="list releases on the index newer than each engine's "
@@ -322,7 +323,8 @@ def _upgrade_check(args: argparse.Namespace) -> None:
         matrix=matrix, registry=registry, engine=args.engine, requested=args.version,
         index_url=resolve_index_url(matrix, args.index_url),
         cache_dir=args.cache_dir or default_cache_dir(), out_dir=args.out,
-        write_cell=args.write_cell, progress=lambda line: print(line, flush=True))
+        write_cell=args.write_cell, build_wheels=not args.no_build, skip_l1=args.no_l1,
+        progress=lambda line: print(line, flush=True))
     for row in report.seams:
         print(f"  seam {row.seam:<24} {row.chosen or '-':<28} {row.result}"
               + (f" ({row.note})" if row.note else ""))

@@ -29,7 +29,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from libcst.codemod import (
@@ -40,6 +40,7 @@ from libcst.codemod import (
     transform_module,
 )
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import (
     InvalidSdistFilename,
     InvalidWheelFilename,
@@ -656,8 +657,8 @@ def _choose(seam: str, variants: list[VariantResult]) -> SeamRow:
 
 def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, requested: str,
                       index_url: str, cache_dir: Path, out_dir: Path | None = None,
-                      write_cell: bool = False,
-                      progress: Progress = _quiet) -> UpgradeReport:
+                      write_cell: bool = False, build_wheels: bool = True,
+                      skip_l1: bool = False, progress: Progress = _quiet) -> UpgradeReport:
     """The whole check; ForgeError (one line) only for bad input: an unknown engine or
     version, an index that does not answer, an artifact whose hash is not the index's."""
     timings: dict[str, float] = {}
@@ -752,6 +753,14 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
             report.cell_written = True
             progress(f"appended experimental cell {cell_name} to {matrix.path}")
     report.build, report.l0_l1 = _build_verdict(report, write_cell)
+    if skip_l1 and report.cell_proposed:
+        report.l0_l1 = "skipped (--no-l1)"
+    if report.cell_proposed and build_wheels:
+        built = time.monotonic()
+        report.build = trial_build(
+            matrix=matrix, registry=registry, report=report, chosen=chosen_ids,
+            cache_dir=cache_dir, index_url=index_url, out_dir=out_dir, progress=progress)
+        timings["trial build"] = time.monotonic() - built
     report.timings = {name: round(seconds, 2) for name, seconds in timings.items()}
     report.timings["total"] = round(time.monotonic() - started, 2)
     write_report(report, out_dir)
@@ -759,16 +768,49 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
 
 
 def _build_verdict(report: UpgradeReport, write_cell: bool) -> tuple[str, str]:
-    """Why no build ran: a cell whose transforms are outside the registry's ranges cannot be
-    built until a review widens them (the build selects transforms by range)."""
+    """What the build and the L0/L1 proofs did not do, and why."""
     if not report.cell_proposed:
         return ("skipped: no cell proposed", "skipped: no cell proposed")
-    how = (f"after review: widen the chosen transforms' ranges, `python -m forge approve-diff "
-           f"{report.cell_name}`, then `nox -s build-{report.cell_name} test-{report.cell_name}`")
-    if not write_cell:
-        return (f"skipped: cell not written (--write-cell); {how}", "skipped: no build")
-    return (f"skipped: the registry ranges are not widened automatically; {how}",
-            "skipped: no build")
+    how = (f"after review (widen the chosen transforms' ranges, `python -m forge approve-diff "
+           f"{report.cell_name}`): `nox -s build-{report.cell_name} test-{report.cell_name}`")
+    where = "" if write_cell else " (the cell is in matrix-entry.toml only; --write-cell)"
+    return (f"skipped (--no-build){where}; {how}",
+            f"not run: the cell tests select transforms by registry range, which only a "
+            f"review widens; {how}")
+
+
+def trial_build(*, matrix: Matrix, registry: Registry, report: UpgradeReport,
+                chosen: list[str], cache_dir: Path, index_url: str, out_dir: Path,
+                progress: Progress) -> str:
+    """Build the proposed cell's wheels with the chosen transforms applied together, all in
+    ``out_dir``: a trial matrix (the matrix plus the entry), a trial registry (the chosen
+    transforms, ranges narrowed to this release only) and its reviewed diffs under
+    ``out_dir/trial-patches/``, the wheels under ``out_dir/dist/``. Nothing is written to the
+    project's matrix, ``patches/`` or ``dist/``. Returns the one-line outcome; a failure is
+    the outcome, not an exception."""
+    from forge.build import approve_diffs, build_cell  # the build pulls in the re-packer
+
+    transforms = [t for t in [*registry.codemods, *_all_diffs(registry, report.engine)]
+                  if t.id in chosen]
+    if any(t.kind is Kind.DIFF for t in transforms):
+        return "skipped: a chosen variant is a diff, which applies only in its own series"
+    trial_matrix = out_dir / "trial-matrix.toml"
+    trial_matrix.write_text(matrix.path.read_text(encoding="utf-8") + "\n"
+                            + report.matrix_entry, encoding="utf-8")
+    trial = Registry(
+        codemods=[replace(t, versions=SpecifierSet(f"=={report.version}")) for t in transforms],
+        patches_root=out_dir / "trial-patches", required_seams=registry.required_seams)
+    dist = out_dir / "dist"
+    try:
+        approve_diffs(report.cell_name, matrix_path=trial_matrix, cache_dir=cache_dir,
+                      registry=trial, index_url=index_url, progress=progress)
+        result = build_cell(report.cell_name, matrix_path=trial_matrix, dist_dir=dist,
+                            cache_dir=cache_dir, registry=trial, index_url=index_url,
+                            progress=progress)
+    except ForgeError as exc:
+        return f"failed: {exc}"
+    wheels = ", ".join(w.name for w in result.wheels)
+    return f"built {wheels} in {result.out_dir} (trial: unreviewed, not for publishing)"
 
 
 def _all_diffs(registry: Registry, engine: str) -> list[Transform]:

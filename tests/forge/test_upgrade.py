@@ -183,6 +183,12 @@ def test_every_seam_finds_the_cells_change_and_a_cell_is_proposed(
     assert project.matrix.read_text(encoding="utf-8") == matrix_before
     assert reviewed_files(project) == ["vllm.diff"]
     assert "vllm 0.33.0: every required seam has one working variant" in capsys.readouterr().out
+    # The chosen transforms applied together build trial wheels, all inside the report folder.
+    assert report["build"].startswith("built vllm-0.33.0+kvcached.1-")
+    assert sorted(p.name for p in (out / "dist" / "vllm-0.33").glob("*.whl")) == [
+        "kvcached_vllm-0.33.0+kvcached.1-py3-none-any.whl",
+        f"vllm-0.33.0+kvcached.1-{WHEEL_TAGS}.whl"]
+    assert (out / "trial-patches" / "vllm" / "0.33" / "reviewed" / "vllm.diff").is_file()
 
 
 def test_write_cell_appends_an_experimental_cell_that_validates(
@@ -190,7 +196,7 @@ def test_write_cell_appends_an_experimental_cell_that_validates(
     matrix = tmp_path / "matrix.toml"
     shutil.copyfile(project.matrix, matrix)
     args = project.args("upgrade-check", "vllm", "0.33.0", "--out", str(tmp_path / "r"),
-                        "--write-cell")
+                        "--write-cell", "--no-build")
     args[args.index("--matrix") + 1] = str(matrix)
     assert main(args) == 0
     cell = load_matrix(matrix).get_cell("vllm-0.33")
@@ -201,7 +207,8 @@ def test_write_cell_appends_an_experimental_cell_that_validates(
 def test_a_missing_anchor_is_a_row_and_no_cell_is_proposed(
         project: Project, tmp_path: Path) -> None:
     out = tmp_path / "report"
-    assert main(project.args("upgrade-check", "vllm", "latest", "--out", str(out))) == 0
+    assert main(project.args("upgrade-check", "vllm", "latest", "--out", str(out),
+                             "--no-build")) == 0
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert report["version"] == "0.34.0"  # latest final release; 0.35.0rc1 is not final
     assert report["sources"] == "wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl " \
