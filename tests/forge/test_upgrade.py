@@ -326,3 +326,29 @@ def test_reviewed_diff_mismatch_names_the_file_that_differs_not_provenance(
         section("vllm/v1/engine/core.py", "close()")
     with pytest.raises(DiffMismatchError, match=r"at vllm/_kvcached_build.py;"):
         check_reviewed_diff(cell, "vllm", only_provenance, reviewed)
+
+
+def test_readme_upgrade_lines_name_a_session_and_arguments_the_cli_takes() -> None:
+    import importlib.util
+    import re
+    import shlex
+
+    import nox.registry
+
+    from forge.cli import _parser
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    lines = [line.split("  #", 1)[0].strip()
+             for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
+             for line in block.splitlines() if line.startswith("nox -s upgrade")]
+    assert lines == ["nox -s upgrade-scan", "nox -s upgrade-check -- vllm latest"]
+    spec = importlib.util.spec_from_file_location("upgrade_noxfile", root / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    for line in lines:
+        words = shlex.split(line)
+        session, posargs = words[2], words[4:]
+        assert session in nox.registry.get()
+        parsed = _parser().parse_args([session, *posargs])
+        assert parsed.command == session
