@@ -32,13 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from libcst.codemod import (
-    CodemodContext,
-    TransformFailure,
-    TransformSkip,
-    TransformSuccess,
-    transform_module,
-)
+import libcst
+from libcst.codemod import CodemodContext, SkipFile
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import (
@@ -210,27 +205,32 @@ def nearest_cell(matrix: Matrix, engine: str, version: str) -> Cell:
 # --- the release's sources --------------------------------------------------------------------
 
 
-def extract_sources(path: Path, package: str, dest: Path) -> int:
-    """Write the ``.py`` files of ``package`` from a wheel or an sdist to ``dest/<package>/``;
-    returns how many. An sdist's package directory is the one under its top folder."""
+def extract_sources(path: Path, package: str, dest: Path,
+                    only: Iterable[str] | None = None) -> int:
+    """Write the ``.py`` files of ``package`` from a wheel or an sdist to ``dest/<package>/``
+    (only the paths in ``only`` when given); returns how many. An sdist's package directory is
+    the one under its top folder."""
+    wanted = None if only is None else set(only)
+
+    def selected(relative: str) -> bool:
+        if wanted is not None:
+            return relative in wanted
+        return relative.startswith(f"{package}/") and relative.endswith(".py")
+
     count = 0
     if path.name.endswith(".whl"):
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                if not info.is_dir() and info.filename.startswith(f"{package}/") and \
-                        info.filename.endswith(".py"):
-                    count += _write_member(dest, info.filename, archive.read(info))
+        with zipfile.ZipFile(path) as wheel:
+            for info in wheel.infolist():
+                if not info.is_dir() and selected(info.filename):
+                    count += _write_member(dest, info.filename, wheel.read(info))
         return count
     with tarfile.open(path, "r:*") as archive:
         for member in archive:
             parts = member.name.split("/", 1)
-            if len(parts) != 2 or not member.isfile():
-                continue
-            relative = parts[1]
-            if relative.startswith(f"{package}/") and relative.endswith(".py"):
+            if len(parts) == 2 and member.isfile() and selected(parts[1]):
                 handle = archive.extractfile(member)
                 if handle is not None:
-                    count += _write_member(dest, relative, handle.read())
+                    count += _write_member(dest, parts[1], handle.read())
     return count
 
 
@@ -291,9 +291,15 @@ class VariantResult:
     diff: str = field(default="", repr=False)
 
 
-def try_variant(transform: Transform, sources: Path, build: BuildContext) -> VariantResult:
+ParseCache = dict[str, libcst.Module]
+
+
+def try_variant(transform: Transform, sources: Path, build: BuildContext,
+                parsed: ParseCache | None = None) -> VariantResult:
     """Apply one transform to the pristine ``sources``; never raises for a fault of the
-    transform or the sources: the fault is the result."""
+    transform or the sources: the fault is the result. ``parsed`` keeps each file's syntax tree
+    for the next variant (trees are immutable; a codemod works on its own copy): parsing the
+    largest modules dominates the check."""
     result = VariantResult(
         id=transform.id, kind=str(transform.kind), seams=transform.seams,
         registered_range=str(transform.versions) or "any", result=ERROR, hits=0,
@@ -301,7 +307,8 @@ def try_variant(transform: Transform, sources: Path, build: BuildContext) -> Var
         anchor=transform.anchor.replace("{package}", build.package))
     try:
         if transform.kind is Kind.CODEMOD:
-            changed = _codemod_changes(transform, sources, build, result)
+            changed = _codemod_changes(transform, sources, build, result,
+                                       {} if parsed is None else parsed)
         else:
             changed = _diff_changes(transform, sources, build, result)
     except Exception as exc:  # noqa: BLE001 - a broken transform is a row of the report
@@ -317,7 +324,8 @@ def try_variant(transform: Transform, sources: Path, build: BuildContext) -> Var
 
 
 def _codemod_changes(transform: Transform, sources: Path, build: BuildContext,
-                     result: VariantResult) -> dict[str, tuple[str, str]] | None:
+                     result: VariantResult, parsed: ParseCache
+                     ) -> dict[str, tuple[str, str]] | None:
     assert transform.codemod is not None
     hits = already = 0
     missing: list[str] = []
@@ -335,17 +343,20 @@ def _codemod_changes(transform: Transform, sources: Path, build: BuildContext,
         context = CodemodContext(filename=relative, full_module_name=module,
                                  full_package_name=module.rpartition(".")[0])
         command = transform.codemod(context, build)
-        outcome = transform_module(command, source)
-        if isinstance(outcome, TransformFailure):
-            result.result, result.detail = ERROR, f"{relative}: codemod failed: {outcome.error}"
-            return None
-        if isinstance(outcome, TransformSkip):
+        try:
+            if relative not in parsed:
+                parsed[relative] = libcst.parse_module(source)
+            code = command.transform_module(parsed[relative]).code
+        except SkipFile:
             already += max(command.already_applied, 1)
-        elif isinstance(outcome, TransformSuccess):
-            hits += command.hits
-            already += command.already_applied
-            if command.hits and outcome.code != source:
-                changed[relative] = (source, outcome.code)
+            continue
+        except Exception as exc:  # noqa: BLE001 - as libcst's transform_module reports it
+            result.result, result.detail = ERROR, f"{relative}: codemod failed: {exc!r}"
+            return None
+        hits += command.hits
+        already += command.already_applied
+        if command.hits and code != source:
+            changed[relative] = (source, code)
     result.hits = hits
     if missing and not hits:
         result.result = NOT_FOUND
@@ -695,11 +706,16 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
     variants: list[VariantResult] = []
     with tempfile.TemporaryDirectory(prefix="kvcached-upgrade-") as scratch:
         sources = Path(scratch)
-        progress(f"sources: extracting {engine}/ from {source_artifact.filename}")
-        count = extract_sources(paths[source_role], engine, sources)
-        progress(f"sources: {count} .py files; trying {len(candidates)} transform variants")
+        # Only the files some variant targets: the rest of the tree is never read.
+        targets = {path for t in candidates for path in t.target_paths(engine)}
+        progress(f"sources: extracting {len(targets)} target files from "
+                 f"{source_artifact.filename}")
+        count = extract_sources(paths[source_role], engine, sources, only=targets)
+        progress(f"sources: {count} of them present; trying {len(candidates)} transform "
+                 "variants")
+        parsed: ParseCache = {}
         for transform in candidates:
-            variant = try_variant(transform, sources, build)
+            variant = try_variant(transform, sources, build, parsed)
             variant.same_change = compare_with_reviewed(variant, reviewed)
             if variant.result == APPLIED and variant.same_change == "same":
                 variant.result = SAME_CHANGE
