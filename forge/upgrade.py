@@ -726,10 +726,17 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
     chosen_ids = list(dict.fromkeys(row.chosen for row in seams if row.chosen))
     conflicts = _conflicts(seams, {v.id: v for v in variants})
     unresolved = [row.seam for row in seams if row.chosen is None]
+    existing = next((c for c in matrix.cells
+                     if c.engine == engine and Version(c.version) == Version(release.version)),
+                    None)
     if unresolved:
         verdict = f"seams without exactly one working variant: {', '.join(unresolved)}"
     elif conflicts:
         verdict = conflicts
+    elif existing is not None:
+        verdict = (f"every required seam has one working variant; {engine} {release.version} "
+                   f"is already cell {existing.name}, so no cell is proposed")
+        conflicts = verdict
     else:
         verdict = (f"every required seam has one working variant "
                    f"({len(chosen_ids)} transforms); the cell is experimental until reviewed")

@@ -352,3 +352,16 @@ def test_readme_upgrade_lines_name_a_session_and_arguments_the_cli_takes() -> No
         assert session in nox.registry.get()
         parsed = _parser().parse_args([session, *posargs])
         assert parsed.command == session
+
+
+def test_a_release_that_is_already_a_cell_is_reported_but_not_proposed(
+        project: Project, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert main(project.args("upgrade-check", "vllm", "0.32.0", "--out", str(out))) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert all(row["result"] == "same change" for row in report["seams"]
+               if row["seam"] != "provenance")
+    assert not report["cell_proposed"]
+    assert report["verdict"].endswith("vllm 0.32.0 is already cell vllm-0.32, so no cell is "
+                                      "proposed")
+    assert not (out / "matrix-entry.toml").exists() and not (out / "dist").exists()
