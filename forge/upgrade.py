@@ -319,7 +319,7 @@ def try_variant(transform: Transform, sources: Path, build: BuildContext,
     result.files = tuple(sorted(changed))
     result.diff = unified_diff(changed)
     result.compile_check = _compile_check(changed)
-    result.import_check = _kvcached_call_check(changed)
+    result.import_check = _kvcached_use_check(changed)
     return result
 
 
@@ -444,13 +444,13 @@ def _compile_check(changed: Mapping[str, tuple[str, str]]) -> str:
     return "ok"
 
 
-def _kvcached_call_check(changed: Mapping[str, tuple[str, str]]) -> str:
-    """AST level: each patched module imports from kvcached_core and calls what it imported.
+def _kvcached_use_check(changed: Mapping[str, tuple[str, str]]) -> str:
+    """AST level: each patched module imports from kvcached_core and uses what it imported.
 
     A real import of the patched module needs the engine's own dependencies (torch, CUDA
     libraries), which the check does not install; this is the part that can be checked
     without them."""
-    calls: list[str] = []
+    uses: list[str] = []
     for relative, (_before, after) in sorted(changed.items()):
         if not relative.endswith(".py"):
             continue
@@ -459,11 +459,11 @@ def _kvcached_call_check(changed: Mapping[str, tuple[str, str]]) -> str:
         except SyntaxError:
             return "skipped: does not parse"
         bound = _kvcached_names(tree)
-        found = sorted({name for name in _call_roots(tree) if name.split(".")[0] in bound})
+        found = _uses(tree, bound)
         if bound and not found:
-            return f"fails: {relative} imports {_KVCACHED_MODULE} but calls nothing from it"
-        calls += found
-    return f"ok: calls {', '.join(calls)}" if calls else "n/a: no kvcached call expected"
+            return f"fails: {relative} imports {_KVCACHED_MODULE} but uses nothing from it"
+        uses += found
+    return f"ok: uses {', '.join(uses)}" if uses else "n/a: does not use kvcached"
 
 
 def _kvcached_names(tree: ast.AST) -> set[str]:
@@ -479,17 +479,26 @@ def _kvcached_names(tree: ast.AST) -> set[str]:
     return names
 
 
-def _call_roots(tree: ast.AST) -> Iterable[str]:
+def _uses(tree: ast.AST, bound: set[str]) -> list[str]:
+    """The dotted names rooted in ``bound`` that the module reads (calls, decorators, bases,
+    flags), longest chains only."""
+    found: set[str] = set()
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        parts: list[str] = []
-        func: ast.expr = node.func
-        while isinstance(func, ast.Attribute):
-            parts.append(func.attr)
-            func = func.value
-        if isinstance(func, ast.Name):
-            yield ".".join([func.id, *reversed(parts)])
+        if isinstance(node, ast.Attribute | ast.Name) and isinstance(node.ctx, ast.Load):
+            name = _dotted(node)
+            if name and name.split(".")[0] in bound:
+                found.add(name)
+    return sorted(name for name in found
+                  if not any(other.startswith(name + ".") for other in found))
+
+
+def _dotted(expression: ast.expr) -> str:
+    parts: list[str] = []
+    while isinstance(expression, ast.Attribute):
+        parts.append(expression.attr)
+        expression = expression.value
+    return ".".join([expression.id, *reversed(parts)]) if isinstance(expression, ast.Name) \
+        else ""
 
 
 # --- "same change": the variant's change against the nearest cell's reviewed diff ------------
@@ -609,7 +618,7 @@ class UpgradeReport:
                          f"{', '.join(row.variants) or '-'} |")
         lines += ["", "## Variants", "",
                   "| variant | seams | registered range | result | hits | compile | "
-                  "kvcached call | same change | detail |",
+                  "kvcached use | same change | detail |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for v in self.variants:
             lines.append(
@@ -751,7 +760,7 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
                    for a in release.artifacts],
         python=python, torch=torch, seams=seams, variants=variants,
         cell_proposed=not unresolved and not conflicts, cell_name=cell_name, verdict=verdict,
-        import_mode="AST only (each patched module imports kvcached_core and calls it); a real "
+        import_mode="AST only (each patched module imports kvcached_core and uses it); a real "
                     f"import needs {engine}'s dependencies (torch, CUDA), which the check does "
                     "not install")
     out_dir = out_dir or default_out_dir(engine, release.version)

@@ -166,7 +166,7 @@ def test_every_seam_finds_the_cells_change_and_a_cell_is_proposed(
     assert variants["vllm-kv-buffers-per-layer"]["result"] == "not found"
     assert variants["vllm-block-pool"]["compile_check"] == "ok"
     assert variants["vllm-block-pool"]["import_check"] == \
-        "ok: calls _kvcached_vllm.make_block_pool"
+        "ok: uses _kvcached_vllm.make_block_pool"
 
     assert report["cell_proposed"] and not report["cell_written"]
     entry = tomllib.loads((out / "matrix-entry.toml").read_text(encoding="utf-8"))["cell"][0]
@@ -365,3 +365,15 @@ def test_a_release_that_is_already_a_cell_is_reported_but_not_proposed(
     assert report["verdict"].endswith("vllm 0.32.0 is already cell vllm-0.32, so no cell is "
                                       "proposed")
     assert not (out / "matrix-entry.toml").exists() and not (out / "dist").exists()
+
+
+def test_kvcached_use_check_accepts_every_fixture_and_catches_an_unused_import() -> None:
+    from forge.upgrade import _kvcached_use_check
+
+    for folder in sorted(FIXTURES.iterdir()):
+        after = (folder / "after.py").read_text(encoding="utf-8")
+        assert _kvcached_use_check({"m.py": ("", after)}).startswith("ok: uses "), folder.name
+    unused = "import kvcached_core.integration.vllm as _kvcached_vllm\n\ndef f():\n    return 1\n"
+    assert _kvcached_use_check({"m.py": ("", unused)}) == \
+        "fails: m.py imports kvcached_core but uses nothing from it"
+    assert _kvcached_use_check({"m.py": ("", "x = 1\n")}) == "n/a: does not use kvcached"
