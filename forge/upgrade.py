@@ -111,17 +111,22 @@ def _file_version(filename: str, distribution: str) -> Version | None:
 
 def _pick_wheel(files: Mapping[str, IndexFile], distribution: str, version: Version,
                 preferred: str | None) -> tuple[str, IndexFile] | None:
-    """The Linux x86_64 wheel of ``version``; the one with the nearest cell's tags first."""
-    candidates: list[tuple[tuple[int, int, str], str, IndexFile]] = []
-    preferred_tags = preferred.split("-", 2)[-1] if preferred else ""
+    """The Linux x86_64 (or pure) wheel of ``version``: the nearest cell's tags first, then its
+    Python tag, then abi3."""
+    candidates: list[tuple[tuple[int, int, int, str], str, IndexFile]] = []
+    preferred_tags = preferred.removesuffix(".whl").split("-", 2)[-1] if preferred else ""
+    preferred_python = preferred_tags.split("-", 1)[0]
     for name, entry in files.items():
         if entry.yanked or not name.endswith(".whl") or \
                 _file_version(name, distribution) != version:
             continue
         tags = name.removesuffix(".whl").split("-", 2)[-1]
-        if "linux" not in tags or "x86_64" not in tags:
+        platform = tags.rsplit("-", 1)[-1]
+        if platform != "any" and not ("linux" in platform and "x86_64" in platform):
             continue
-        key = (0 if tags == preferred_tags else 1, 0 if "abi3" in tags else 1, name)
+        key = (0 if tags == preferred_tags else 1,
+               0 if tags.split("-", 1)[0] == preferred_python else 1,
+               0 if "abi3" in tags else 1, name)
         candidates.append((key, name, entry))
     if not candidates:
         return None
@@ -698,6 +703,7 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
 
     checked = time.monotonic()
     source_role = "sdist" if "sdist" in paths else "wheel"
+    source_note = "" if source_role == "sdist" else " (the release has no sdist)"
     source_artifact = release.artifact(source_role)
     assert source_artifact is not None and source_artifact.filename and source_artifact.sha256
     python, torch = wheel_metadata(paths["wheel"])
@@ -720,6 +726,13 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
         progress(f"sources: extracting {len(targets)} target files from "
                  f"{source_artifact.filename}")
         count = extract_sources(paths[source_role], engine, sources, only=targets)
+        if count == 0 and source_role == "sdist":
+            # An sdist laid out otherwise (package below src/ or python/): the wheel's files.
+            source_role, source_note = "wheel", " (no target file in the sdist)"
+            source_artifact = release.artifact("wheel")
+            assert source_artifact is not None
+            progress(f"sources: none in the sdist; extracting from {source_artifact.filename}")
+            count = extract_sources(paths["wheel"], engine, sources, only=targets)
         progress(f"sources: {count} of them present; trying {len(candidates)} transform "
                  "variants")
         parsed: ParseCache = {}
@@ -754,8 +767,7 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
     report = UpgradeReport(
         engine=engine, version=release.version, nearest_cell=nearest.name,
         nearest_version=nearest.version, index_url=index_url,
-        sources=f"{source_role} {source_artifact.filename}"
-                + ("" if source_role == "sdist" else " (the release has no sdist)"),
+        sources=f"{source_role} {source_artifact.filename}{source_note}",
         artifacts=[{"role": a.role, "filename": str(a.filename), "sha256": str(a.sha256)}
                    for a in release.artifacts],
         python=python, torch=torch, seams=seams, variants=variants,

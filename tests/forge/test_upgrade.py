@@ -377,3 +377,25 @@ def test_kvcached_use_check_accepts_every_fixture_and_catches_an_unused_import()
     assert _kvcached_use_check({"m.py": ("", unused)}) == \
         "fails: m.py imports kvcached_core but uses nothing from it"
     assert _kvcached_use_check({"m.py": ("", "x = 1\n")}) == "n/a: does not use kvcached"
+
+
+def test_wheel_choice_prefers_the_nearest_cells_tags_then_its_python_and_skips_other_platforms(
+        ) -> None:
+    from packaging.version import Version
+
+    from forge.fetch import IndexFile
+    from forge.upgrade import _pick_wheel
+
+    def files(*names: str) -> dict[str, IndexFile]:
+        return {name: IndexFile(url=f"http://x/{name}", sha256="0" * 64) for name in names}
+
+    arm = "sglang-0.6.0-cp311-cp311-manylinux_2_34_aarch64.whl"
+    cp312 = "sglang-0.6.0-cp312-cp312-manylinux_2_34_x86_64.whl"
+    cp311 = "sglang-0.6.0-cp311-cp311-manylinux_2_35_x86_64.whl"
+    cell = "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
+    picked = _pick_wheel(files(arm, cp312, cp311), "sglang", Version("0.6.0"), cell)
+    assert picked is not None and picked[0] == cp311
+    pure = "sglang-0.6.0-py3-none-any.whl"
+    picked = _pick_wheel(files(arm, pure), "sglang", Version("0.6.0"), cell)
+    assert picked is not None and picked[0] == pure
+    assert _pick_wheel(files(arm), "sglang", Version("0.6.0"), cell) is None
