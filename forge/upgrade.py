@@ -284,6 +284,7 @@ class VariantResult:
     kind: str
     seams: tuple[str, ...]
     registered_range: str
+    in_range: bool                    # the registry's range holds this release
     result: str
     hits: int
     expected: str
@@ -307,7 +308,8 @@ def try_variant(transform: Transform, sources: Path, build: BuildContext,
     largest modules dominates the check."""
     result = VariantResult(
         id=transform.id, kind=str(transform.kind), seams=transform.seams,
-        registered_range=str(transform.versions) or "any", result=ERROR, hits=0,
+        registered_range=str(transform.versions) or "any",
+        in_range=Version(build.upstream_version) in transform.versions, result=ERROR, hits=0,
         expected=str(transform.expected_hits),
         anchor=transform.anchor.replace("{package}", build.package))
     try:
@@ -673,8 +675,11 @@ def _choose(seam: str, variants: list[VariantResult]) -> SeamRow:
         chosen = same[0] if same else working[0]
         return SeamRow(seam, chosen.id, chosen.result, tried)
     if working:
+        in_range = [v.id for v in working if v.in_range]
+        hint = f"; the registry's range for this release holds {in_range[0]}" \
+            if len(in_range) == 1 else ""
         return SeamRow(seam, None, "ambiguous", tried,
-                       f"{len(working)} variants work: {', '.join(v.id for v in working)}")
+                       f"{len(working)} variants work: {', '.join(v.id for v in working)}{hint}")
     best = max(variants, key=lambda v: _RANK[v.result])
     return SeamRow(seam, None, "no working variant", tried,
                    f"best: {best.id} {best.result}" + (f": {best.detail}" if best.detail else ""))
@@ -758,7 +763,6 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
     elif existing is not None:
         verdict = (f"every required seam has one working variant; {engine} {release.version} "
                    f"is already cell {existing.name}, so no cell is proposed")
-        conflicts = verdict
     else:
         verdict = (f"every required seam has one working variant "
                    f"({len(chosen_ids)} transforms); the cell is experimental until reviewed")
@@ -771,7 +775,8 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
         artifacts=[{"role": a.role, "filename": str(a.filename), "sha256": str(a.sha256)}
                    for a in release.artifacts],
         python=python, torch=torch, seams=seams, variants=variants,
-        cell_proposed=not unresolved and not conflicts, cell_name=cell_name, verdict=verdict,
+        cell_proposed=not unresolved and not conflicts and existing is None,
+        cell_name=cell_name, verdict=verdict,
         import_mode="AST only (each patched module imports kvcached_core and uses it); a real "
                     f"import needs {engine}'s dependencies (torch, CUDA), which the check does "
                     "not install")

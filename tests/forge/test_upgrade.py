@@ -399,3 +399,20 @@ def test_wheel_choice_prefers_the_nearest_cells_tags_then_its_python_and_skips_o
     picked = _pick_wheel(files(arm, pure), "sglang", Version("0.6.0"), cell)
     assert picked is not None and picked[0] == pure
     assert _pick_wheel(files(arm), "sglang", Version("0.6.0"), cell) is None
+
+
+def test_two_working_variants_leave_the_seam_unresolved_naming_the_one_in_range() -> None:
+    from forge.upgrade import VariantResult, _choose
+
+    def variant(id_: str, result: str, in_range: bool) -> VariantResult:
+        return VariantResult(id=id_, kind="codemod", seams=("kv-budget",), registered_range="",
+                             in_range=in_range, result=result, hits=1, expected="1", anchor="")
+
+    old, new = variant("old", "applied", False), variant("new", "applied", True)
+    row = _choose("kv-budget", [old, new])
+    assert (row.chosen, row.result) == (None, "ambiguous")
+    assert row.note == "2 variants work: old, new; the registry's range for this release holds new"
+    row = _choose("kv-budget", [old, variant("new", "same change", True)])
+    assert (row.chosen, row.result) == ("new", "same change")
+    row = _choose("kv-budget", [variant("old", "partial", False)])
+    assert (row.chosen, row.result, row.note) == (None, "no working variant", "best: old partial")
