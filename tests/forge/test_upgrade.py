@@ -416,3 +416,34 @@ def test_two_working_variants_leave_the_seam_unresolved_naming_the_one_in_range(
     assert (row.chosen, row.result) == ("new", "same change")
     row = _choose("kv-budget", [variant("old", "partial", False)])
     assert (row.chosen, row.result, row.note) == (None, "no working variant", "best: old partial")
+
+
+def test_a_diff_variant_applies_with_zero_fuzz_or_is_reported_not_found(tmp_path: Path) -> None:
+    from _fixtures import POOL_PY, TAKE_LOGGED, unified_diff, write_patch
+
+    from codemods.base import BuildContext
+    from forge.patches import read_patch
+    from forge.registry import diff_transform
+    from forge.upgrade import try_variant
+
+    patch = write_patch(tmp_path / "patches", "log-take",
+                        unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED))
+    transform = diff_transform(read_patch(patch), "fakeeng", "1.0")
+    build = BuildContext(cell="fakeeng-2.0", engine="fakeeng", package="fakeeng",
+                         upstream_version="2.0.0", built_version="2.0.0+kvcached.1",
+                         base_artifact="fakeeng-2.0.0.tar.gz", base_sha256="0" * 64,
+                         transform_ids=(), fingerprint="0" * 64, toolkit_version="0")
+    sources = tmp_path / "sources"
+    (sources / "fakeeng").mkdir(parents=True)
+    (sources / "fakeeng" / "pool.py").write_text(POOL_PY, encoding="utf-8")
+    applied = try_variant(transform, sources, build)
+    assert (applied.result, applied.hits, applied.files, applied.compile_check) == \
+        ("applied", 1, ("fakeeng/pool.py",), "ok")
+    assert "+        print('take', count)\n" in applied.diff
+    assert (sources / "fakeeng" / "pool.py").read_text(encoding="utf-8") == POOL_PY  # pristine
+
+    (sources / "fakeeng" / "pool.py").write_text(POOL_PY.replace("take", "grab"),
+                                                 encoding="utf-8")
+    missing = try_variant(transform, sources, build)
+    assert missing.result == "not found"
+    assert missing.detail.startswith("does not apply with zero fuzz: ")
