@@ -167,6 +167,23 @@ def forge(session: nox.Session) -> None:
     session.run("python", "-m", "forge", *(session.posargs or ["--help"]))
 
 
+@nox.session(name="upgrade-check", python=PYTHON, tags=["upgrade"], default=False)
+def upgrade_check(session: nox.Session) -> None:
+    """Try every transform on a new upstream release: nox -s upgrade-check -- vllm latest."""
+    if len(session.posargs) < 2:
+        session.error("give the engine and the release: nox -s upgrade-check -- vllm 0.33.0 "
+                      "(or latest)")
+    session.install(*FORGE_DEPS)
+    session.run("python", "-m", "forge", "upgrade-check", *session.posargs)
+
+
+@nox.session(name="upgrade-scan", python=PYTHON, tags=["upgrade"], default=False)
+def upgrade_scan(session: nox.Session) -> None:
+    """List the releases on the index newer than each engine's newest cell (--json after --)."""
+    session.install(*FORGE_DEPS)
+    session.run("python", "-m", "forge", "upgrade-scan", *session.posargs)
+
+
 @nox.session(python=PYTHON, tags=["project"])
 def lint(session: nox.Session) -> None:
     """ruff over the project's own code; mypy over forge/, codemods/, kvcached_core/ and ci/;

@@ -23,6 +23,7 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
 from codemods.base import BuildContext
+from codemods.provenance import MODULE_NAME as PROVENANCE_MODULE
 from forge import TOOLKIT_VERSION
 from forge.errors import DiffMismatchError, TransformError, WheelError
 from forge.fetch import fetch_artifact, resolve_index_url
@@ -183,10 +184,13 @@ def check_reviewed_diff(cell: Cell, distribution: str, diff: str, reviewed: Path
     if approved == diff:
         return
     ours, theirs = _diff_sections(diff), _diff_sections(approved)
-    first = next(
-        (path for path in sorted(set(ours) | set(theirs)) if ours.get(path) != theirs.get(path)),
-        "(diff framing)",
-    )
+    differing = [path for path in sorted(set(ours) | set(theirs))
+                 if ours.get(path) != theirs.get(path)]
+    # The provenance module records the patch-set fingerprint, so it differs whenever anything
+    # does; naming it tells a reviewer nothing. It is named only when nothing else differs.
+    provenance = f"{cell.engine}/{PROVENANCE_MODULE}.py"
+    first = next((path for path in differing if path != provenance),
+                 differing[0] if differing else "(diff framing)")
     raise DiffMismatchError(
         f"cell {cell.name}: {distribution} change differs from {reviewed.name} "
         f"at {first}; {approve}"

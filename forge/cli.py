@@ -87,6 +87,28 @@ def _parser() -> argparse.ArgumentParser:
                               "wheels only, never its meta wheels (a broken cell is never "
                               "published)")
 
+    upgrade = commands.add_parser(
+        "upgrade-check", parents=[common, build_opts],
+        help="try every registered transform of an engine on an upstream release the matrix "
+             "lacks; write report.md/report.json and propose an experimental cell")
+    upgrade.add_argument("engine")
+    upgrade.add_argument("version", help="an exact release, or 'latest'")
+    upgrade.add_argument("--out", type=Path, default=None,
+                         help="report folder (default: reports/upgrade/<engine>-<version>/)")
+    upgrade.add_argument("--write-cell", action="store_true",
+                         help="append the proposed experimental cell to the matrix (default: "
+                              "only <out>/matrix-entry.toml)")
+    upgrade.add_argument("--no-build", action="store_true",
+                         help="do not build the proposed cell's trial wheels (in <out>/dist/)")
+    upgrade.add_argument("--no-l1", action="store_true",
+                         help="say in the report that L1 was left out on purpose (the cell's "
+                              "L0/L1 proofs run in `nox -s test-<cell>` once it is reviewed)")
+
+    scan = commands.add_parser("upgrade-scan", parents=[common, build_opts],
+                               help="list releases on the index newer than each engine's "
+                                    "newest cell")
+    scan.add_argument("--json", action="store_true", help="machine-readable output")
+
     verify = commands.add_parser("verify-installed",
                                  help="check an installed patched distribution against RECORD")
     verify.add_argument("dist", metavar="DIST")
@@ -144,6 +166,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         _list(load_matrix(args.matrix), as_json=args.json)
     elif command == "publish":
         _publish(args)
+    elif command == "upgrade-check":
+        _upgrade_check(args)
+    elif command == "upgrade-scan":
+        _upgrade_scan(args)
     elif command == "verify-installed":
         _verify_installed(args.dist)
     return 0
@@ -306,3 +332,40 @@ def _verify_installed(name: str) -> None:
         print(f"  {key}: {provenance.get(key)}")
     applied = ", ".join(f"{t['id']} ({t['hits']})" for t in provenance.get("transforms", []))
     print(f"  transforms: {applied}")
+
+
+def _upgrade_check(args: argparse.Namespace) -> None:
+    from forge.fetch import resolve_index_url
+    from forge.upgrade import run_upgrade_check
+
+    matrix = load_matrix(args.matrix)
+    registry = _registry(args)
+    report = run_upgrade_check(
+        matrix=matrix, registry=registry, engine=args.engine, requested=args.version,
+        index_url=resolve_index_url(matrix, args.index_url),
+        cache_dir=args.cache_dir or default_cache_dir(), out_dir=args.out,
+        write_cell=args.write_cell, build_wheels=not args.no_build, skip_l1=args.no_l1,
+        progress=lambda line: print(line, flush=True))
+    for row in report.seams:
+        print(f"  seam {row.seam:<24} {row.chosen or '-':<28} {row.result}"
+              + (f" ({row.note})" if row.note else ""))
+    out = args.out or Path("reports") / "upgrade" / f"{report.engine}-{report.version}"
+    print(f"{report.engine} {report.version}: {report.verdict}")
+    print(f"report: {out / 'report.md'} (build: {report.build})")
+
+
+def _upgrade_scan(args: argparse.Namespace) -> None:
+    from forge.fetch import resolve_index_url
+    from forge.upgrade import scan
+
+    matrix = load_matrix(args.matrix)
+    lines = scan(matrix, resolve_index_url(matrix, args.index_url))
+    if args.json:
+        print(json.dumps([{"engine": line.engine, "newest_cell": line.newest_cell,
+                           "newest_cell_version": line.newest_cell_version,
+                           "newer": list(line.newer)} for line in lines], indent=2))
+        return
+    for line in lines:
+        newer = ", ".join(line.newer) or "none"
+        print(f"{line.engine}: newer than {line.newest_cell} ({line.newest_cell_version}): "
+              f"{newer}")

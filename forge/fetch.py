@@ -78,6 +78,7 @@ def sha256_file(path: Path) -> str:
 class IndexFile:
     url: str
     sha256: str | None
+    yanked: bool = False
 
 
 def fetch_artifact(artifact: Artifact, *, index_url: str, cache_dir: Path,
@@ -142,7 +143,21 @@ def _restore_set_aside(store: Path, filename: str, expected: str) -> bool:
 def find_on_index(index_url: str, filename: str) -> IndexFile:
     """Resolve ``filename`` through the simple API (PEP 691 JSON, falling back to PEP 503 HTML)."""
     project = canonicalize_name(_project_of(filename))
-    page_url = f"{index_url.rstrip('/')}/{project}/"
+    files = project_files(index_url, project)
+    if filename not in files:
+        raise FetchError(f"index {index_url} does not list {filename} "
+                         f"({_project_page(index_url, project)})")
+    return files[filename]
+
+
+def _project_page(index_url: str, project: str) -> str:
+    return f"{index_url.rstrip('/')}/{canonicalize_name(project)}/"
+
+
+def project_files(index_url: str, project: str) -> dict[str, IndexFile]:
+    """Every file the index lists for ``project``, by filename; FetchError when the index does
+    not answer or has no such project."""
+    page_url = _project_page(index_url, project)
     request = urllib.request.Request(page_url, headers={"Accept": _ACCEPT})
     try:
         with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
@@ -151,20 +166,16 @@ def find_on_index(index_url: str, filename: str) -> IndexFile:
             final_url = response.geturl()
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
-            raise FetchError(f"index {index_url} has no project {project!r} ({page_url})") \
-                from None
+            raise FetchError(f"index {index_url} has no project "
+                             f"{canonicalize_name(project)!r} ({page_url})") from None
         raise FetchError(f"index {index_url} unreachable: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise FetchError(f"index {index_url} unreachable: {reason}") from None
 
     if content_type.split(";")[0].strip() == SIMPLE_JSON:
-        files = _files_from_json(body, final_url)
-    else:
-        files = _files_from_html(body.decode("utf-8", "replace"), final_url)
-    if filename not in files:
-        raise FetchError(f"index {index_url} does not list {filename} ({page_url})")
-    return files[filename]
+        return _files_from_json(body, final_url)
+    return _files_from_html(body.decode("utf-8", "replace"), final_url)
 
 
 def _project_of(filename: str) -> str:
@@ -183,7 +194,8 @@ def _files_from_json(body: bytes, base_url: str) -> dict[str, IndexFile]:
     files: dict[str, IndexFile] = {}
     for entry in entries:
         url = urllib.parse.urljoin(base_url, entry["url"])
-        files[entry["filename"]] = IndexFile(url=url, sha256=entry.get("hashes", {}).get("sha256"))
+        files[entry["filename"]] = IndexFile(url=url, sha256=entry.get("hashes", {}).get("sha256"),
+                                             yanked=bool(entry.get("yanked")))
     return files
 
 

@@ -1,0 +1,449 @@
+"""upgrade-check and upgrade-scan against a real local index serving a small synthetic vLLM.
+
+The synthetic releases' sources are the transform fixtures' "before" files placed where the
+transforms look for them, so every vLLM transform finds its anchor; a second release lacks one
+anchor and has no sdist, a third is a pre-release.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import io
+import json
+import shutil
+import socket
+import tarfile
+import threading
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from forge.build import approve_diffs, check_reviewed_diff
+from forge.cli import main
+from forge.errors import DiffMismatchError
+from forge.index import LocalIndex
+from forge.matrix import load_matrix
+from forge.registry import PATCHES_ROOT, default_registry
+from tests.forge.conftest import Member, WheelRecipe, build_wheel
+from tests.transforms.test_vllm_startup_memory_codemods import PROFILE_032, REQUEST_MEMORY
+
+FIXTURES = Path(__file__).resolve().parents[1] / "transforms" / "fixtures"
+WHEEL_TAGS = "cp38-abi3-manylinux_2_28_x86_64"
+
+
+def fake_vllm_sources(*, without_allocate_slots: bool = False) -> dict[str, str]:
+    """vllm/ sources on which every transform of the vllm-0.32 set finds its anchor."""
+    def before(transform: str) -> str:
+        return (FIXTURES / transform / "before.py").read_text(encoding="utf-8")
+
+    manager = before("vllm-allocate-slots-race")
+    if without_allocate_slots:
+        manager = manager.replace("def allocate_slots(", "def allocate_blocks(")
+    return {
+        "vllm/__init__.py": '__version__ = "fake"\n',
+        "vllm/v1/core/kv_cache_coordinator.py": before("vllm-block-pool"),
+        "vllm/v1/core/kv_cache_manager.py": manager,
+        "vllm/v1/engine/core.py": before("vllm-engine-shutdown"),
+        "vllm/v1/worker/utils.py": REQUEST_MEMORY + "\n\n" + before("vllm-kv-buffers-shared"),
+        "vllm/v1/worker/gpu_worker.py": PROFILE_032,
+    }
+
+
+def fake_wheel(version: str, sources: dict[str, str], out: Path) -> Path:
+    metadata = (f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n"
+                "Requires-Python: >=3.10,<3.15\nRequires-Dist: torch==2.14.0\n"
+                "Requires-Dist: numpy\n\nA synthetic vllm.\n").encode()
+    recipe = WheelRecipe(name="vllm", version=version, tags=WHEEL_TAGS,
+                         package={path: Member(text.encode()) for path, text in sources.items()},
+                         extra_dist_info={"METADATA": metadata})
+    return build_wheel(recipe, out)
+
+
+def fake_sdist(version: str, sources: dict[str, str], out: Path) -> Path:
+    path = out / f"vllm-{version}.tar.gz"
+    top = f"vllm-{version}"
+    members = {f"{top}/PKG-INFO": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n",
+               **{f"{top}/{name}": text for name, text in sources.items()}}
+    with tarfile.open(path, "w:gz") as archive:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class Project:
+    root: Path
+    matrix: Path
+    patches: Path
+    cache: Path
+    index_url: str
+
+    def args(self, *rest: str) -> list[str]:
+        return [*rest, "--matrix", str(self.matrix), "--patches-dir", str(self.patches),
+                "--cache-dir", str(self.cache), "--index-url", self.index_url]
+
+
+MATRIX = """schema = 1
+index_url = "https://pypi.org/simple"
+
+[[cell]]
+engine = "vllm"
+series = "0.32"
+version = "0.32.0"
+build = 1
+python = ">=3.10,<3.15"
+torch = "2.11.0"
+status = "supported"
+
+[[cell.artifact]]
+role = "wheel"
+filename = "{wheel}"
+sha256 = "{sha256}"
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
+    """A local index with vllm 0.32.0 (the cell), 0.33.0 (wheel + sdist), 0.34.0 (wheel only,
+    allocate_slots renamed) and 0.35.0rc1; the cell's reviewed diff approved as forge does."""
+    root = tmp_path_factory.mktemp("upgrade")
+    with LocalIndex(root / "index") as index:
+        packages = index.packages_dir
+        cell_wheel = fake_wheel("0.32.0", fake_vllm_sources(), packages)
+        fake_wheel("0.33.0", fake_vllm_sources(), packages)
+        fake_sdist("0.33.0", fake_vllm_sources(), packages)
+        fake_wheel("0.34.0", fake_vllm_sources(without_allocate_slots=True), packages)
+        fake_wheel("0.35.0rc1", fake_vllm_sources(), packages)
+        matrix = root / "matrix.toml"
+        matrix.write_text(MATRIX.format(wheel=cell_wheel.name, sha256=sha256_of(cell_wheel)),
+                          encoding="utf-8")
+        patches = root / "patches"
+        (patches / "vllm" / "0.32").mkdir(parents=True)
+        shutil.copyfile(PATCHES_ROOT / "vllm" / "0.32" / "series",
+                        patches / "vllm" / "0.32" / "series")
+        found = Project(root, matrix, patches, root / "cache", index.simple_url.rstrip("/"))
+        approve_diffs("vllm-0.32", matrix_path=matrix, cache_dir=found.cache,
+                      registry=default_registry(patches_root=patches),
+                      index_url=found.index_url, progress=lambda _line: None)
+        yield found
+
+
+def reviewed_files(project: Project) -> list[str]:
+    return sorted(p.name for p in project.patches.rglob("reviewed/*"))
+
+
+def test_every_seam_finds_the_cells_change_and_a_cell_is_proposed(
+        project: Project, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    matrix_before = project.matrix.read_text(encoding="utf-8")
+    out = tmp_path / "report"
+    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+
+    assert report["nearest_cell"] == "vllm-0.32"
+    assert report["sources"] == "sdist vllm-0.33.0.tar.gz"
+    required = default_registry().required_for("vllm", "0.33.0")
+    assert [row["seam"] for row in report["seams"]] == required
+    chosen = {row["seam"]: (row["chosen"], row["result"]) for row in report["seams"]}
+    assert chosen["block-pool"] == ("vllm-block-pool", "same change")
+    assert chosen["kv-budget"] == ("vllm-kv-budget-user-bytes", "same change")
+    assert chosen["kv-buffers-v2-runner"] == ("vllm-kv-buffers-shared", "same change")
+    assert chosen["provenance"] == ("provenance", "applied")
+    variants = {v["id"]: v for v in report["variants"]}
+    # Tried regardless of its registered range (<0.10.2): it applies, but is not the change.
+    assert variants["vllm-kv-budget"]["result"] == "applied"
+    assert variants["vllm-kv-buffers-per-layer"]["result"] == "not found"
+    assert variants["vllm-block-pool"]["compile_check"] == "ok"
+    assert variants["vllm-block-pool"]["import_check"] == \
+        "ok: uses _kvcached_vllm.make_block_pool"
+
+    assert report["cell_proposed"] and not report["cell_written"]
+    entry = tomllib.loads((out / "matrix-entry.toml").read_text(encoding="utf-8"))["cell"][0]
+    assert (entry["series"], entry["version"], entry["status"]) == ("0.33", "0.33.0",
+                                                                    "experimental")
+    assert (entry["python"], entry["torch"]) == (">=3.10,<3.15", "2.14.0")
+    packages = project.root / "index" / "packages"
+    assert {a["filename"]: a["sha256"] for a in entry["artifact"]} == {
+        name: sha256_of(packages / name)
+        for name in (f"vllm-0.33.0-{WHEEL_TAGS}.whl", "vllm-0.33.0.tar.gz")}
+    assert (out / "unreviewed" / "vllm-block-pool.diff").is_file()
+    assert "| block-pool | vllm-block-pool | same change |" in \
+        (out / "report.md").read_text(encoding="utf-8")
+    assert project.matrix.read_text(encoding="utf-8") == matrix_before
+    assert reviewed_files(project) == ["vllm.diff"]
+    assert "vllm 0.33.0: every required seam has one working variant" in capsys.readouterr().out
+    # The chosen transforms applied together build trial wheels, all inside the report folder.
+    assert report["build"].startswith("built vllm-0.33.0+kvcached.1-")
+    assert sorted(p.name for p in (out / "dist" / "vllm-0.33").glob("*.whl")) == [
+        "kvcached_vllm-0.33.0+kvcached.1-py3-none-any.whl",
+        f"vllm-0.33.0+kvcached.1-{WHEEL_TAGS}.whl"]
+    assert (out / "trial-patches" / "vllm" / "0.33" / "reviewed" / "vllm.diff").is_file()
+
+
+def test_write_cell_appends_an_experimental_cell_that_validates(
+        project: Project, tmp_path: Path) -> None:
+    matrix = tmp_path / "matrix.toml"
+    shutil.copyfile(project.matrix, matrix)
+    args = project.args("upgrade-check", "vllm", "0.33.0", "--out", str(tmp_path / "r"),
+                        "--write-cell", "--no-build")
+    args[args.index("--matrix") + 1] = str(matrix)
+    assert main(args) == 0
+    cell = load_matrix(matrix).get_cell("vllm-0.33")
+    assert (cell.status, cell.version, cell.torch) == ("experimental", "0.33.0", "2.14.0")
+    assert reviewed_files(project) == ["vllm.diff"]
+
+
+def test_a_missing_anchor_is_a_row_and_no_cell_is_proposed(
+        project: Project, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert main(project.args("upgrade-check", "vllm", "latest", "--out", str(out),
+                             "--no-build")) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert report["version"] == "0.34.0"  # latest final release; 0.35.0rc1 is not final
+    assert report["sources"] == "wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl " \
+                                "(the release has no sdist)"
+    rows = {row["seam"]: row for row in report["seams"]}
+    assert rows["allocate-slots-race"]["chosen"] is None
+    assert rows["allocate-slots-race"]["result"] == "no working variant"
+    assert rows["block-pool"]["result"] == "same change"
+    assert len(report["seams"]) == len(default_registry().required_for("vllm", "0.34.0"))
+    assert not report["cell_proposed"]
+    assert report["verdict"] == \
+        "seams without exactly one working variant: allocate-slots-race"
+    assert not (out / "matrix-entry.toml").exists()
+
+
+def test_upgrade_scan_lists_final_releases_newer_than_the_newest_cell(
+        project: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(project.args("upgrade-scan")) == 0
+    assert capsys.readouterr().out == "vllm: newer than vllm-0.32 (0.32.0): 0.33.0, 0.34.0\n"
+    assert main(project.args("upgrade-scan", "--json")) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {"engine": "vllm", "newest_cell": "vllm-0.32", "newest_cell_version": "0.32.0",
+         "newer": ["0.33.0", "0.34.0"]}]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
+        return None  # the server's request log would mix into the CLI's stderr
+
+
+@pytest.fixture
+def lying_index(tmp_path: Path) -> Iterator[str]:
+    """A static simple index on 127.0.0.1 whose sha256 for the 0.33.0 wheel is wrong."""
+    root = tmp_path / "lying"
+    wheel = fake_wheel("0.33.0", fake_vllm_sources(), root / "files")
+    page = root / "simple" / "vllm"
+    page.mkdir(parents=True)
+    page.joinpath("index.html").write_text(
+        f'<a href="/files/{wheel.name}#sha256={"0" * 64}">{wheel.name}</a>\n', encoding="utf-8")
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/simple"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("case", ["no such version", "unknown engine", "index down",
+                                  "hash differs"])
+def test_bad_input_is_one_line_and_writes_nothing(
+        case: str, project: Project, tmp_path: Path, lying_index: str,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default dist/ and reports/ would land here
+    matrix_before = project.matrix.read_text(encoding="utf-8")
+    engine, version, index = "vllm", "0.33.0", project.index_url
+    if case == "no such version":
+        version = "9.9.9"
+    elif case == "unknown engine":
+        engine = "tgi"
+    elif case == "index down":
+        index = f"http://127.0.0.1:{_free_port()}/simple"
+    else:
+        index = lying_index
+    args = project.args("upgrade-check", engine, version)
+    args[args.index("--index-url") + 1] = index
+    args[args.index("--cache-dir") + 1] = str(tmp_path / "cache")
+
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("forge: error: ")
+    expected = {
+        "no such version": f"vllm 9.9.9 does not exist on {index}; newest final release: "
+                           "0.34.0",
+        "unknown engine": "engine 'tgi' has no cell in matrix.toml (engines: vllm)",
+        "index down": f"index {index} unreachable: [Errno 111] Connection refused",
+        "hash differs": f"sha256 mismatch for vllm-0.33.0-{WHEEL_TAGS}.whl: expected "
+                        f"{'0' * 64}, got ",
+    }[case]
+    assert expected in err
+    assert project.matrix.read_text(encoding="utf-8") == matrix_before
+    assert not (tmp_path / "reports").exists() and not (tmp_path / "dist").exists()
+    assert not list((tmp_path / "cache").glob("artifacts/*.whl"))
+
+
+def test_reviewed_diff_mismatch_names_the_file_that_differs_not_provenance(
+        tmp_path: Path) -> None:
+    from forge.matrix import Artifact, Cell
+
+    def section(path: str, line: str) -> str:
+        return (f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1 +1 @@\n"
+                f"-old\n+{line}\n")
+
+    cell = Cell(engine="vllm", series="0.32", version="0.32.0", build=1, python=">=3.10",
+                torch="2.11.0", status="supported",
+                artifacts=(Artifact(role="wheel", filename="vllm-0.32.0-py3-none-any.whl",
+                                    sha256="0" * 64),))
+    reviewed = tmp_path / "vllm.diff"
+    reviewed.write_text(section("vllm/_kvcached_build.py", 'FP = "a"')
+                        + section("vllm/v1/engine/core.py", "close()"), encoding="utf-8")
+    both = section("vllm/_kvcached_build.py", 'FP = "b"') + section("vllm/v1/engine/core.py",
+                                                                    "close(now=True)")
+    with pytest.raises(DiffMismatchError, match=r"differs from vllm.diff at "
+                                                r"vllm/v1/engine/core.py;"):
+        check_reviewed_diff(cell, "vllm", both, reviewed)
+    only_provenance = section("vllm/_kvcached_build.py", 'FP = "b"') + \
+        section("vllm/v1/engine/core.py", "close()")
+    with pytest.raises(DiffMismatchError, match=r"at vllm/_kvcached_build.py;"):
+        check_reviewed_diff(cell, "vllm", only_provenance, reviewed)
+
+
+def test_readme_upgrade_lines_name_a_session_and_arguments_the_cli_takes() -> None:
+    import importlib.util
+    import re
+    import shlex
+
+    import nox.registry
+
+    from forge.cli import _parser
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    lines = [line.split("  #", 1)[0].strip()
+             for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
+             for line in block.splitlines() if line.startswith("nox -s upgrade")]
+    assert lines == ["nox -s upgrade-scan", "nox -s upgrade-check -- vllm latest"]
+    spec = importlib.util.spec_from_file_location("upgrade_noxfile", root / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    for line in lines:
+        words = shlex.split(line)
+        session, posargs = words[2], words[4:]
+        assert session in nox.registry.get()
+        parsed = _parser().parse_args([session, *posargs])
+        assert parsed.command == session
+
+
+def test_a_release_that_is_already_a_cell_is_reported_but_not_proposed(
+        project: Project, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert main(project.args("upgrade-check", "vllm", "0.32.0", "--out", str(out))) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert all(row["result"] == "same change" for row in report["seams"]
+               if row["seam"] != "provenance")
+    assert not report["cell_proposed"]
+    assert report["verdict"].endswith("vllm 0.32.0 is already cell vllm-0.32, so no cell is "
+                                      "proposed")
+    assert not (out / "matrix-entry.toml").exists() and not (out / "dist").exists()
+
+
+def test_kvcached_use_check_accepts_every_fixture_and_catches_an_unused_import() -> None:
+    from forge.upgrade import _kvcached_use_check
+
+    for folder in sorted(FIXTURES.iterdir()):
+        after = (folder / "after.py").read_text(encoding="utf-8")
+        assert _kvcached_use_check({"m.py": ("", after)}).startswith("ok: uses "), folder.name
+    unused = "import kvcached_core.integration.vllm as _kvcached_vllm\n\ndef f():\n    return 1\n"
+    assert _kvcached_use_check({"m.py": ("", unused)}) == \
+        "fails: m.py imports kvcached_core but uses nothing from it"
+    assert _kvcached_use_check({"m.py": ("", "x = 1\n")}) == "n/a: does not use kvcached"
+
+
+def test_wheel_choice_prefers_the_nearest_cells_tags_then_its_python_and_skips_other_platforms(
+        ) -> None:
+    from packaging.version import Version
+
+    from forge.fetch import IndexFile
+    from forge.upgrade import _pick_wheel
+
+    def files(*names: str) -> dict[str, IndexFile]:
+        return {name: IndexFile(url=f"http://x/{name}", sha256="0" * 64) for name in names}
+
+    arm = "sglang-0.6.0-cp311-cp311-manylinux_2_34_aarch64.whl"
+    cp312 = "sglang-0.6.0-cp312-cp312-manylinux_2_34_x86_64.whl"
+    cp311 = "sglang-0.6.0-cp311-cp311-manylinux_2_35_x86_64.whl"
+    cell = "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
+    picked = _pick_wheel(files(arm, cp312, cp311), "sglang", Version("0.6.0"), cell)
+    assert picked is not None and picked[0] == cp311
+    pure = "sglang-0.6.0-py3-none-any.whl"
+    picked = _pick_wheel(files(arm, pure), "sglang", Version("0.6.0"), cell)
+    assert picked is not None and picked[0] == pure
+    assert _pick_wheel(files(arm), "sglang", Version("0.6.0"), cell) is None
+
+
+def test_two_working_variants_leave_the_seam_unresolved_naming_the_one_in_range() -> None:
+    from forge.upgrade import VariantResult, _choose
+
+    def variant(id_: str, result: str, in_range: bool) -> VariantResult:
+        return VariantResult(id=id_, kind="codemod", seams=("kv-budget",), registered_range="",
+                             in_range=in_range, result=result, hits=1, expected="1", anchor="")
+
+    old, new = variant("old", "applied", False), variant("new", "applied", True)
+    row = _choose("kv-budget", [old, new])
+    assert (row.chosen, row.result) == (None, "ambiguous")
+    assert row.note == "2 variants work: old, new; the registry's range for this release holds new"
+    row = _choose("kv-budget", [old, variant("new", "same change", True)])
+    assert (row.chosen, row.result) == ("new", "same change")
+    row = _choose("kv-budget", [variant("old", "partial", False)])
+    assert (row.chosen, row.result, row.note) == (None, "no working variant", "best: old partial")
+
+
+def test_a_diff_variant_applies_with_zero_fuzz_or_is_reported_not_found(tmp_path: Path) -> None:
+    from _fixtures import POOL_PY, TAKE_LOGGED, unified_diff, write_patch
+
+    from codemods.base import BuildContext
+    from forge.patches import read_patch
+    from forge.registry import diff_transform
+    from forge.upgrade import try_variant
+
+    patch = write_patch(tmp_path / "patches", "log-take",
+                        unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED))
+    transform = diff_transform(read_patch(patch), "fakeeng", "1.0")
+    build = BuildContext(cell="fakeeng-2.0", engine="fakeeng", package="fakeeng",
+                         upstream_version="2.0.0", built_version="2.0.0+kvcached.1",
+                         base_artifact="fakeeng-2.0.0.tar.gz", base_sha256="0" * 64,
+                         transform_ids=(), fingerprint="0" * 64, toolkit_version="0")
+    sources = tmp_path / "sources"
+    (sources / "fakeeng").mkdir(parents=True)
+    (sources / "fakeeng" / "pool.py").write_text(POOL_PY, encoding="utf-8")
+    applied = try_variant(transform, sources, build)
+    assert (applied.result, applied.hits, applied.files, applied.compile_check) == \
+        ("applied", 1, ("fakeeng/pool.py",), "ok")
+    assert "+        print('take', count)\n" in applied.diff
+    assert (sources / "fakeeng" / "pool.py").read_text(encoding="utf-8") == POOL_PY  # pristine
+
+    (sources / "fakeeng" / "pool.py").write_text(POOL_PY.replace("take", "grab"),
+                                                 encoding="utf-8")
+    missing = try_variant(transform, sources, build)
+    assert missing.result == "not found"
+    assert missing.detail.startswith("does not apply with zero fuzz: ")
