@@ -69,8 +69,13 @@ class ElasticBlockPoolMixin:
             )
         engine_pool.attached = True
         self._kv = engine_pool
-        # Bound once: the capacity check runs several times per engine step.
-        self._kv_mappable_pages = engine_pool.pool.available_size
+        # What the pool could still map, read once per engine step (None: read it again).
+        # The scheduler checks capacity once per request and step (hundreds of times a
+        # step); the figure changes within a step only by this pool's own maps, which reset
+        # it, or by a neighbour or a limit, which the next step sees. A check that ran on a
+        # stale figure is safe: the allocation itself is authoritative (PoolExhausted).
+        self._kv_available_size = engine_pool.pool.available_size
+        self._kv_mappable_now: int | None = None
         self._kv_k = engine_pool.blocks_per_page
         num_pages = -(-self.num_gpu_blocks // self._kv_k)
         self._kv_held: set[int] = set()  # the pages whose blocks may be handed out
@@ -135,7 +140,13 @@ class ElasticBlockPoolMixin:
         held_free = int(self.free_block_queue.num_free_blocks) - unheld + self._kv_parked_count
         if unheld == 0:
             return held_free
-        return held_free + min(unheld, self._kv_mappable_pages() * self._kv_k)
+        return held_free + min(unheld, self._mappable_pages() * self._kv_k)
+
+    def _mappable_pages(self) -> int:
+        mappable = self._kv_mappable_now
+        if mappable is None:
+            mappable = self._kv_mappable_now = int(self._kv_available_size())
+        return mappable
 
     def fits_in_held_pages(self, tokens: int, groups: int) -> bool:
         """Whether adding at most `tokens` tokens to one request in each of `groups` KV cache
@@ -192,6 +203,7 @@ class ElasticBlockPoolMixin:
         if missing_blocks <= 0:
             return
         k = self._kv_k
+        self._kv_mappable_now = None  # mapping (or failing to) changes what is left
         pages = self._kv.pool.alloc(-(-missing_blocks // k))
         self._kv_trim_exhausted = False  # the held pages changed: the next trim looks again
         for page in pages:
@@ -299,6 +311,7 @@ class ElasticBlockPoolMixin:
         pages hold no block, and the next allocation refills it.
         """
         self._kv_block_tokens = block_tokens
+        self._kv_mappable_now = None  # a new step: read what the pool can map again
         released = self.release_idle_pages(block_tokens)
         pool = self._kv.pool
         markers = self._kv_release_markers

@@ -1,0 +1,147 @@
+"""CPU time of vLLM's scheduler step, stock against patched (elastic block pool), same run.
+
+    python benchmarks/bench_scheduler_step.py [--cell vllm-0.25] [--requests 128] \
+        [--steps 400] [--rounds 6]
+
+The GPU throughput benchmark sees the patched engine a few percent behind stock; this one
+isolates what the patched scheduler adds per step on the host, where nothing else differs.
+Both trees are the cell's pinned sdist (stock, and with the cell's transforms), run in the
+cell's contract venv (tests/contract) with a scheduler and no model: `--requests` requests of
+96-token prompts are admitted, then every step schedules them, hands back one sampled token
+each (as the model runner would) and, on the patched tree, ends the step as EngineCore's
+wrapper does (`on_step_end`: page release, retire markers). Rounds alternate stock and patched
+(ABBA); each reports the median step time over its decode steps. Prints the per-round medians
+and the ratio patched / stock of their medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHILD = r"""
+import json, statistics, sys, time
+from types import SimpleNamespace
+sys.path.insert(0, "tests/v1/core")
+from utils import create_requests, create_scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+
+requests_n, steps, elastic = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+scheduler = create_scheduler(max_num_seqs=requests_n, max_num_batched_tokens=16384,
+                             num_blocks=requests_n * 64 + 64, block_size=16,
+                             max_model_len=2048)
+for request in create_requests(requests_n, num_tokens=96, max_tokens=steps + 8):
+    scheduler.add_request(request)
+pool = scheduler.kv_cache_manager.block_pool
+core = SimpleNamespace(scheduler=scheduler, batch_queue=None)
+end_step = None
+if elastic:
+    from kvcached_core.integration.vllm import engine
+    assert type(pool).__name__.startswith("Elastic"), type(pool)
+    end_step = lambda: engine.on_step_end(core, pool, 0)
+times = []
+profile = None
+if len(sys.argv) > 4 and sys.argv[4] == "1":
+    import cProfile
+    profile = cProfile.Profile()
+for step in range(steps):
+    if profile is not None and step == 4:
+        profile.enable()
+    started = time.perf_counter()
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                               sampled_token_ids=[[7] for _ in ids], logprobs=None,
+                               prompt_logprobs_dict={}, pooler_output=[])
+    scheduler.update_from_output(out, result)
+    if end_step is not None:
+        end_step()
+    times.append(time.perf_counter() - started)
+decode = times[4:]  # the prefill steps left out
+if profile is not None:
+    import io, pstats
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    print(text.getvalue(), file=sys.stderr)
+print(json.dumps({"median_us": statistics.median(decode) * 1e6, "steps": len(decode)}))
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cell", default="vllm-0.25")
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--profile", action="store_true",
+                        help="print where the patched tree's decode steps spend their time")
+    args = parser.parse_args(argv)
+
+    from forge.matrix import load_matrix
+    from tests.contract.fake_hf import build_fake_hf_home
+    from tests.contract.vllm_contract import contract_venv, tree_workspace, unpacked_sdist
+
+    cell = load_matrix(ROOT / "matrix.toml").get_cell(args.cell)
+    python = contract_venv(cell)
+    work = Path(tempfile.mkdtemp(prefix="bench-scheduler-"))
+    try:
+        sdist = unpacked_sdist(cell, work / "sdist")
+        hf_home = build_fake_hf_home(work / "hf")
+        trees = {}
+        for flavour in ("stock", "patched"):
+            tree = work / flavour
+            shutil.copytree(sdist, tree)
+            tree_workspace(tree, patched=flavour == "patched", cell=cell)
+            trees[flavour] = tree
+        imports = work / "imports"
+        imports.mkdir()
+        (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
+        medians: dict[str, list[float]] = {"stock": [], "patched": []}
+        for index in range(args.rounds):
+            order = ("stock", "patched") if index % 2 == 0 else ("patched", "stock")
+            for flavour in order:
+                env = {k: v for k, v in os.environ.items()
+                       if not k.startswith(("KVCACHED_", "VLLM_"))}
+                env.update({"PYTHONPATH": f"{trees[flavour]}{os.pathsep}{imports}",
+                            "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
+                            "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
+                            "KVCACHED_ENABLE": "1" if flavour == "patched" else "0",
+                            "KVCACHED_SCHEDULER_ONLY": "1"})
+                done = subprocess.run(
+                    [str(python), "-c", CHILD, str(args.requests), str(args.steps),
+                     "1" if flavour == "patched" else "0",
+                     "1" if args.profile and flavour == "patched" else "0"],
+                    cwd=trees[flavour], env=env, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    print(done.stderr[-3000:], file=sys.stderr)
+                    return 1
+                if args.profile and flavour == "patched":
+                    print(done.stderr[-6000:])
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                medians[flavour].append(result["median_us"])
+                print(f"round {index} {flavour}: {result['median_us']:.0f} us per step "
+                      f"({result['steps']} decode steps, {args.requests} requests)", flush=True)
+        stock, patched = statistics.median(medians["stock"]), statistics.median(medians["patched"])
+        print(json.dumps({"cell": cell.name, "requests": args.requests,
+                          "stock_us_per_step": round(stock, 1),
+                          "patched_us_per_step": round(patched, 1),
+                          "ratio": round(patched / stock, 3),
+                          "added_us_per_step": round(patched - stock, 1)}))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
