@@ -273,7 +273,7 @@ CODEMODS += [
 # --- end of SGLang ----------------------------------------------------------------------------
 
 
-# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, vllm-0.25, vllm-0.32) ---------
+# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, 0.13, 0.22, 0.25, 0.32) ---------
 # One transform set; where vLLM versions differ, the registry selects the codemod by version
 # range and the rewritten call site passes what differs. The adapter they call is
 # kvcached_core/integration/vllm.
