@@ -23,6 +23,7 @@ from codemods.vllm import allocate_slots as _vllm_allocate_slots
 from codemods.vllm import block_pool as _vllm_block_pool
 from codemods.vllm import engine_core as _vllm_engine_core
 from codemods.vllm import kv_buffers as _vllm_kv_buffers
+from codemods.vllm import kv_buffers_attn_groups as _vllm_kv_buffers_attn_groups
 from codemods.vllm import startup_memory as _vllm_startup_memory
 
 # --- the seams every build of an engine must cover -----------------------------------------
@@ -272,7 +273,7 @@ CODEMODS += [
 # --- end of SGLang ----------------------------------------------------------------------------
 
 
-# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, vllm-0.25, vllm-0.32) ---------
+# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, 0.13, 0.22, 0.25, 0.32) ---------
 # One transform set; where vLLM versions differ, the registry selects the codemod by version
 # range and the rewritten call site passes what differs. The adapter they call is
 # kvcached_core/integration/vllm.
@@ -383,7 +384,7 @@ CODEMODS += [
         id="vllm-kv-buffers-per-layer",
         seam="kv-buffers-v1-runner",
         engine="vllm",
-        versions=">=0.9.2,<0.12",
+        versions=">=0.9.2,<0.10.1",
         anchor="vllm.v1.worker.gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors: "
                "torch.zeros(..., dtype=torch.int8, ...)",
         targets=("{package}/v1/worker/gpu_model_runner.py",),
@@ -393,6 +394,59 @@ CODEMODS += [
         retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared).",
         codemod=_vllm_kv_buffers.PerLayerKVBuffers,
         forwarded="not-needed",
+        last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-kv-buffers-attn-groups",
+        seam="kv-buffers-v1-runner",
+        engine="vllm",
+        versions=">=0.10.1,<0.24",
+        anchor="vllm.v1.worker.gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors: "
+               "torch.zeros(..., dtype=torch.int8, ...) (per KVCacheTensor, self.attn_groups)",
+        targets=("{package}/v1/worker/gpu_model_runner.py",),
+        expected_hits=1,
+        why="As vllm-kv-buffers-per-layer, for the runners that replaced their attn_backends "
+            "list with attention groups (0.10.1): the call site passes each group's shape and "
+            "stride order, and block_stride=0 (no packed backings before 0.24).",
+        retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared).",
+        codemod=_vllm_kv_buffers_attn_groups.AttentionGroupKVBuffers,
+        forwarded="not-needed",
+        last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-kv-buffers-mrv2-backends",
+        seam="kv-buffers-v2-runner",
+        engine="vllm",
+        versions=">=0.22,<0.23",
+        anchor="vllm.v1.worker.gpu.attn_utils._allocate_kv_cache: torch.zeros(..., "
+               "dtype=torch.int8, ...), its new attn_backends parameter, and the call in "
+               "init_kv_cache",
+        targets=("{package}/v1/worker/gpu/attn_utils.py",),
+        expected_hits=3,
+        why="Model Runner V2 is the default runner for allow-listed architectures from 0.22; "
+            "its KV buffers must be VMM-backed like the V1 runner's. In 0.22 its caller "
+            "init_kv_cache holds each layer's backend class (attn_backends), which it passes "
+            "in.",
+        retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared).",
+        codemod=_vllm_kv_buffers_attn_groups.ModelRunnerV2BackendsKVBuffers,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-kv-buffers-mrv2-groups",
+        seam="kv-buffers-v2-runner",
+        engine="vllm",
+        versions=">=0.23,<0.24",
+        anchor="vllm.v1.worker.gpu.attn_utils._allocate_kv_cache: torch.zeros(..., "
+               "dtype=torch.int8, ...), its new attn_groups parameter, and the call in "
+               "init_kv_cache",
+        targets=("{package}/v1/worker/gpu/attn_utils.py",),
+        expected_hits=3,
+        why="As vllm-kv-buffers-mrv2-backends; from 0.23 init_kv_cache holds the attention "
+            "groups, as in 0.24, but nothing is packed yet (block_stride=0).",
+        retire_when="Retired by vLLM 0.29's single allocate_kv_cache (vllm-kv-buffers-shared).",
+        codemod=_vllm_kv_buffers_attn_groups.ModelRunnerV2GroupsKVBuffers,
+        forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
     CodemodDeclaration(
@@ -456,7 +510,7 @@ CODEMODS += [
         id="vllm-startup-free-memory-worker",
         seam="startup-free-memory",
         engine="vllm",
-        versions=">=0.9.2,<0.10",
+        versions=">=0.9.2,<0.14",
         anchor="vllm.v1.worker.gpu_worker.Worker.init_device: "
                "self.init_snapshot.free_memory < self.requested_memory",
         targets=("{package}/v1/worker/gpu_worker.py",),
@@ -474,7 +528,7 @@ CODEMODS += [
         id="vllm-startup-free-memory",
         seam="startup-free-memory",
         engine="vllm",
-        versions=">=0.25,<0.33",
+        versions=">=0.14,<0.33",
         anchor="vllm.v1.worker.utils.request_memory: init_snapshot.free_memory < "
                "requested_memory (and < engine_memory where weights are held outside, 0.32)",
         targets=("{package}/v1/worker/utils.py",),

@@ -43,11 +43,13 @@ def parametrize_cells(metafunc: pytest.Metafunc, engine: str) -> None:
     """Give a test's `cell` argument one value per selected cell of `engine`.
 
     A test module narrows the cells by naming the transforms it exercises in
-    `CELL_NEEDS_TRANSFORMS`.
+    `CELL_NEEDS_TRANSFORMS`; a test marked `pytest.mark.cell_needs(*ids)` names its own
+    instead (one module may prove several variants of a seam).
     """
     if "cell" not in metafunc.fixturenames:
         return
-    needs = getattr(metafunc.module, "CELL_NEEDS_TRANSFORMS", ())
+    marker = metafunc.definition.get_closest_marker("cell_needs")
+    needs = marker.args if marker else getattr(metafunc.module, "CELL_NEEDS_TRANSFORMS", ())
     cells = selected_cells(metafunc.config, engine, needs)
     metafunc.parametrize("cell", cells, ids=[c.name for c in cells], scope="session")
 

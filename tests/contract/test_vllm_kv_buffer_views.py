@@ -1,10 +1,14 @@
-"""vLLM 0.24 - 0.28 KV buffers on the patched tree: vLLM's own allocation and view code, real
-attention backends, elastic against stock, bytes compared (contract venv, host backend).
+"""vLLM KV buffers on the patched tree: vLLM's own allocation and view code, real attention
+backends, elastic against stock, bytes compared (contract venv, host backend).
 
-Model Runner V2's `_allocate_kv_cache` / `_reshape_kv_cache` and the V1 runner's
-`_allocate_kv_cache_tensors` run as the patched wheel runs them; with KVCACHED_ENABLE=0 they
-must give what stock gives, and elastic their views must have the same shapes and strides, and
-the blocks of a mapped page must hold the same bytes as a stock buffer after the same writes.
+Each runner's allocation (the V1 runner's `_allocate_kv_cache_tensors`, Model Runner V2's
+`_allocate_kv_cache`) and its own view code run as the patched wheel runs them; with
+KVCACHED_ENABLE=0 they must give what stock gives, and elastic their views must have the stock
+shapes, strides and dtype, and the blocks of a mapped page must hold the same bytes as a stock
+buffer after the same writes. Each rewrite variant is proven for the selected cells whose
+transform set holds it: vLLM 0.24 - 0.28 (packed tensors; Model Runner V2 given the attention
+groups) and vLLM 0.10.1 - 0.23 (one buffer per KVCacheTensor; Model Runner V2 where a 0.22 /
+0.23 variant rewrites it).
 """
 
 from __future__ import annotations
@@ -12,19 +16,33 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from forge.matrix import Cell
+from forge.registry import default_registry
+from forge.transforms import select_transforms
 from tests.contract.vllm_contract import ROOT, contract_venv, tree_workspace, unpacked_sdist
 
 pytestmark = pytest.mark.slow
 
-# Runs for the selected cells whose transform set holds both rewrites the script exercises.
+# The 0.24 - 0.28 test runs for the selected cells whose transform set holds both rewrites its
+# script exercises; the 0.10.1 - 0.23 test names its own with pytest.mark.cell_needs.
 CELL_NEEDS_TRANSFORMS = ("vllm-kv-buffers-tensors", "vllm-kv-buffers-mrv2")
 
-SCRIPT = r"""
+# Model Runner V2 rewrites of 0.22 / 0.23 -> the name the script calls that runner by.
+MRV2_UNPACKED = {"vllm-kv-buffers-mrv2-backends": "mrv2-backends",
+                 "vllm-kv-buffers-mrv2-groups": "mrv2-groups"}
+
+# One model of three layers in one KV cache group, the backend under test, and where a block
+# lies in its layout.
+SETUP = r"""
+import importlib
+import inspect
+import math
 import os
 from types import SimpleNamespace
 
@@ -32,16 +50,16 @@ import torch
 
 from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import pool_name
-from vllm.v1.attention.backends.{backend_module} import {backend_class} as Backend
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                         KVCacheTensor)
-from vllm.v1.worker.gpu import attn_utils
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import AttentionGroup
 
+Backend = getattr(importlib.import_module(
+    "vllm.v1.attention.backends." + os.environ["KV_BACKEND_MODULE"]),
+    os.environ["KV_BACKEND_CLASS"])
 PAGE = int(os.environ["KVCACHED_PAGE_SIZE"])
-PER_LAYER = os.environ["KVCACHED_LAYOUT"] == "per-layer"
-names = [f"model.layers.{{i}}.self_attn.attn" for i in range(3)]
+names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 blocks = 32
 config = KVCacheConfig(
@@ -51,53 +69,116 @@ config = KVCacheConfig(
     kv_cache_groups=[KVCacheGroupSpec(names, spec)],
 )
 group = AttentionGroup(Backend, names, spec, 0)
-block_dim = Backend.get_kv_cache_shape(1234567, 16, 2, 64).index(1234567)
+shape = Backend.get_kv_cache_shape(1234567, 16, 2, 64)
+block_dim = shape.index(1234567)
+try:
+    order = tuple(Backend.get_kv_cache_stride_order())
+except NotImplementedError:
+    order = tuple(range(len(shape)))
+# The planes laid out outside the blocks (K and V of a (2, B, ...) layout): a block is one
+# range of each plane, and a kvcached page holds PAGE bytes of every plane.
+planes = math.prod(shape[i] for i in order[:order.index(block_dim)])
+CONTIGUOUS = os.environ["KVCACHED_LAYOUT"] != "per-layer" and planes == 1
+"""
+
+# vLLM 0.24 - 0.28: both runners, viewed through Model Runner V2's reshape.
+PACKED_RUNNERS = r"""
+from vllm.v1.worker.gpu import attn_utils
+
 runner = SimpleNamespace(device=torch.device("cpu"), attn_groups=[[group]],
                          runner_only_attn_layers=set())
+RUNNERS = ("mrv2", "v1")
 
 
 def allocate(which):
     if which == "mrv2":
-        return attn_utils._allocate_kv_cache(config, {{}}, torch.device("cpu"),
+        return attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"),
                                              attn_groups=[[group]])
     return GPUModelRunner._allocate_kv_cache_tensors(runner, config)
 
 
-def views(raw):
-    return attn_utils._reshape_kv_cache([group], raw, "auto", [16], {{}}, config)
+def views(which, raw):
+    return attn_utils._reshape_kv_cache([group], raw, "auto", [16], {}, config)
+"""
+
+# vLLM 0.10.1 - 0.23: the V1 runner with its own reshape; Model Runner V2 (KV_MRV2) with its.
+UNPACKED_RUNNERS = r"""
+runner = SimpleNamespace(device=torch.device("cpu"), attn_groups=[[group]],
+                         runner_only_attn_layers=set(), kv_cache_config=config,
+                         cache_config=SimpleNamespace(cache_dtype="auto"))
+runner._kv_cache_spec_attn_group_iterator = (
+    lambda: GPUModelRunner._kv_cache_spec_attn_group_iterator(runner))
+RUNNERS = ("v1", *filter(None, os.environ["KV_MRV2"].split(",")))
+layer_backends = {n: Backend for n in names}
 
 
-for which in ("mrv2", "v1"):
+def allocate(which):
+    if which == "v1":
+        return GPUModelRunner._allocate_kv_cache_tensors(runner, config)
+    from vllm.v1.worker.gpu import attn_utils
+
+    if which == "mrv2-backends":
+        return attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"),
+                                             attn_backends=layer_backends)
+    return attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"),
+                                         attn_groups=[[group]])
+
+
+def _call(function, *first, **known):
+    # A function of this release, with the arguments its signature names.
+    params = list(inspect.signature(function).parameters)[len(first):]
+    return function(*first, **{p: known[p] for p in params if p in known})
+
+
+def views(which, raw):
+    if which == "v1":
+        return _call(GPUModelRunner._reshape_kv_cache_tensors, runner, kv_cache_config=config,
+                     kv_cache_raw_tensors=raw, kernel_block_sizes=[16])
+    from vllm.v1.worker.gpu import attn_utils
+
+    return _call(attn_utils._reshape_kv_cache, kv_cache_config=config,
+                 kv_cache_raw_tensors=raw, attn_backends=layer_backends, attn_groups=[group],
+                 cache_dtype="auto", kernel_block_sizes=[16], shared_kv_cache_layers={})
+"""
+
+CHECK = r"""
+for which in RUNNERS:
     os.environ["KVCACHED_ENABLE"] = "0"
     stock_raw = allocate(which)
     assert pools.lookup(pool_name()) is None, "switched off, no pool may be made"
     os.environ["KVCACHED_ENABLE"] = "1"
     ours_raw = allocate(which)
     engine_pool = pools.lookup(pool_name())
-    assert engine_pool is not None
-    stock, ours = views(stock_raw), views(ours_raw)
+    assert engine_pool is not None, which
+    stock, ours = views(which, stock_raw), views(which, ours_raw)
     k = engine_pool.blocks_per_page
-    assert k == PAGE // spec.page_size_bytes, k
+    assert k == PAGE * planes // spec.page_size_bytes, (which, k)
     [page] = engine_pool.pool.alloc(1)
     for n in names:
-        assert ours[n].shape == stock[n].shape, n
-        if PER_LAYER:  # the stock bytes exactly; contiguous interleaves the layers of a page
-            assert ours[n].stride() == stock[n].stride(), n
+        assert ours[n].shape == stock[n].shape, (which, n)
+        assert ours[n].dtype == stock[n].dtype == spec.dtype, (which, n)
+        if not CONTIGUOUS:  # the stock bytes exactly; contiguous interleaves the layers
+            assert ours[n].stride() == stock[n].stride(), (which, n)
             assert ours_raw[n].numel() == stock_raw[n].numel()
         for b in range(page * k, (page + 1) * k):
             data = torch.randn(ours[n].select(block_dim, b).shape).to(torch.bfloat16)
             ours[n].select(block_dim, b).copy_(data)
             stock[n].select(block_dim, b).copy_(data)
-            if PER_LAYER:
+            if not CONTIGUOUS:
                 offset = ours[n].select(block_dim, b).data_ptr() - ours_raw[n].data_ptr()
-                assert offset // PAGE == page, (n, b, offset)
+                assert offset % (spec.page_size_bytes * blocks // planes) // PAGE == page, (
+                    which, n, b, offset)
         for b in range(blocks):  # what the kernels read: every block, as stock has it
-            assert torch.equal(ours[n].select(block_dim, b), stock[n].select(block_dim, b)), (n, b)
-        if PER_LAYER:
-            assert torch.equal(ours_raw[n], stock_raw[n]), n
-    if PER_LAYER:
+            assert torch.equal(ours[n].select(block_dim, b), stock[n].select(block_dim, b)), (
+                which, n, b)
+        if not CONTIGUOUS:
+            assert torch.equal(ours_raw[n], stock_raw[n]), (which, n)
+    if not CONTIGUOUS:
+        # Every plane of every layer has the null block's page and `page` mapped, no more.
+        region = spec.page_size_bytes * blocks // planes
         for ftensor in engine_pool.pool.tensors:
-            assert sorted(ftensor.mapped_offsets()) == [0, page * PAGE]
+            assert sorted(ftensor.mapped_offsets()) == sorted(
+                r * region + p * PAGE for r in range(planes) for p in (0, page)), which
     else:
         # One compound tensor: each logical page (the null block's, `page`) is one mapping
         # that holds the page's blocks of every layer.
@@ -115,31 +196,69 @@ BACKENDS = {
 }
 
 
-@pytest.mark.parametrize("kv_layout", ["per-layer", "auto"])
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_patched_kv_buffers_read_like_stock_ones(cell: Cell, backend: str, kv_layout: str,
-                                                 tmp_path: Path) -> None:
-    """Per layer, and with the default layout choice (`auto`: one compound page for all
-    layers wherever the backend's layout is blocks-first, as all three here are)."""
+@pytest.fixture(scope="session")
+def patched_tree() -> Iterator[Callable[[Cell], Path]]:
+    """The cell's sdist with its transform set applied, made once per cell (the scripts only
+    read it), and kvcached_core beside it."""
+    made: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory(prefix="kvviews-trees-") as root:
+        def tree_of(cell: Cell) -> Path:
+            if cell.name not in made:
+                where = Path(root) / cell.name
+                tree = where / "patched"
+                shutil.copytree(unpacked_sdist(cell, where / "sdist"), tree)
+                tree_workspace(tree, patched=True, cell=cell)
+                imports = where / "imports"
+                imports.mkdir()
+                (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
+                made[cell.name] = tree
+            return made[cell.name]
+
+        yield tree_of
+
+
+def run_script(cell: Cell, tree: Path, script: str, backend: str, kv_layout: str,
+               tmp_path: Path, **extra_env: str) -> None:
     python = contract_venv(cell)
-    tree = tmp_path / "patched"
-    shutil.copytree(unpacked_sdist(cell, tmp_path / "sdist"), tree)
-    tree_workspace(tree, patched=True, cell=cell)
-    imports = tmp_path / "imports"
-    imports.mkdir()
-    (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
+    module, cls, layout = BACKENDS[backend]
     env.update({
-        "PYTHONPATH": f"{tree}{os.pathsep}{imports}", "VLLM_TARGET_DEVICE": "cpu",
+        "PYTHONPATH": f"{tree}{os.pathsep}{tree.parent / 'imports'}",
+        "VLLM_TARGET_DEVICE": "cpu",
         "KVCACHED_PAGE_SIZE": str(32 << 10), "KVCACHED_MIN_RESERVED_PAGES": "0",
         "KVCACHED_MAX_RESERVED_PAGES": "0", "KVCACHED_PREALLOC": "0",
         "KVCACHED_LAYOUT": kv_layout,
         "KVCACHED_POOL_NAME": f"kvviews-{os.getpid()}", "KVCACHED_SHM_DIR": str(tmp_path),
+        "KV_BACKEND_MODULE": module, "KV_BACKEND_CLASS": cls, **extra_env,
     })
-    module, cls, layout = BACKENDS[backend]
     if layout:
         env["VLLM_KV_CACHE_LAYOUT"] = layout
-    done = subprocess.run(
-        [str(python), "-c", SCRIPT.format(backend_module=module, backend_class=cls)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run([str(python), "-c", script], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("kv_layout", ["per-layer", "auto"])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_patched_kv_buffers_read_like_stock_ones(
+        cell: Cell, patched_tree: Callable[[Cell], Path], backend: str, kv_layout: str,
+        tmp_path: Path) -> None:
+    """Per layer, and with the default layout choice (`auto`: one compound page for all
+    layers wherever the backend's layout is blocks-first, as all three here are)."""
+    run_script(cell, patched_tree(cell), SETUP + PACKED_RUNNERS + CHECK, backend, kv_layout,
+               tmp_path)
+
+
+@pytest.mark.cell_needs("vllm-kv-buffers-attn-groups")
+@pytest.mark.parametrize("kv_layout", ["per-layer", "auto"])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_unpacked_kv_buffers_of_0_10_to_0_23_read_like_stock_ones(
+        cell: Cell, patched_tree: Callable[[Cell], Path], backend: str, kv_layout: str,
+        tmp_path: Path) -> None:
+    """The V1 runner through its attention groups, and Model Runner V2 where the cell rewrites
+    it (0.22, 0.23). Up to 0.22 the three backends keep K and V in two planes outside the
+    blocks (`auto` stays per layer), from 0.23 they are blocks-first."""
+    transforms = {t.id for t in select_transforms(default_registry(), cell)}
+    mrv2 = [name for tid, name in MRV2_UNPACKED.items() if tid in transforms]
+    run_script(cell, patched_tree(cell), SETUP + UNPACKED_RUNNERS + CHECK, backend, kv_layout,
+               tmp_path, KV_MRV2=",".join(mrv2))

@@ -119,29 +119,41 @@ def test_codemods_never_import_forge() -> None:
 # --- fail closed: the real catalogue against releases the matrix has no cell for ---------------
 
 
-@pytest.mark.parametrize("version", ["0.12.0", "0.13.0", "0.21.0"])
-def test_a_vllm_release_without_a_kv_buffer_transform_fails_in_every_command(
-        version: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+# Where each KV-buffer and start-up variant takes over, checked at the releases on both sides
+# of each boundary (read in their sdists): 0.10.0 is the last runner with `attn_backends`,
+# 0.10.1 the first with attention groups; 0.13 the last whose start-up check is in
+# Worker.init_device, 0.14 the first with request_memory; Model Runner V2's caller passes
+# `attn_backends` in 0.22 and `attn_groups` from 0.23; 0.24 packs KV tensors.
+@pytest.mark.parametrize(("version", "v1_runner", "v2_runner", "startup"), [
+    ("0.10.0", "vllm-kv-buffers-per-layer", None, "vllm-startup-free-memory-worker"),
+    ("0.10.2", "vllm-kv-buffers-attn-groups", None, "vllm-startup-free-memory-worker"),
+    ("0.11.2", "vllm-kv-buffers-attn-groups", None, "vllm-startup-free-memory-worker"),
+    ("0.13.0", "vllm-kv-buffers-attn-groups", None, "vllm-startup-free-memory-worker"),
+    ("0.14.0", "vllm-kv-buffers-attn-groups", None, "vllm-startup-free-memory"),
+    ("0.21.0", "vllm-kv-buffers-attn-groups", None, "vllm-startup-free-memory"),
+    ("0.22.1", "vllm-kv-buffers-attn-groups", "vllm-kv-buffers-mrv2-backends",
+     "vllm-startup-free-memory"),
+    ("0.23.0", "vllm-kv-buffers-attn-groups", "vllm-kv-buffers-mrv2-groups",
+     "vllm-startup-free-memory"),
+    ("0.24.0", "vllm-kv-buffers-tensors", "vllm-kv-buffers-mrv2", "vllm-startup-free-memory"),
+])
+def test_each_vllm_release_has_one_transform_per_seam(
+        version: str, v1_runner: str, v2_runner: str | None, startup: str) -> None:
     series = version.rsplit(".", 1)[0]
-    matrix = probe_matrix(tmp_path / "matrix.toml", "vllm", series, version)
-    cell = f"vllm-{series}"
-    expected = (f"cell {cell}: required seams startup-free-memory, kv-buffers-v1-runner have "
-                f"no transform for vllm {version}")
-    assert one_error_line(["check-matrix", "--matrix", str(matrix)], capsys) == expected
-    assert one_error_line(["transforms", cell, "--matrix", str(matrix)], capsys) == expected
-    assert one_error_line(["build", cell, "--matrix", str(matrix), "--cache-dir",
-                           str(tmp_path / "cache"), "--dist", str(tmp_path / "dist")],
-                          capsys) == expected
-    assert not (tmp_path / "dist").exists() or not any((tmp_path / "dist").iterdir())
-    assert not (tmp_path / "cache").exists()  # nothing fetched
+    registry = default_registry()
+    transforms = registry.select(f"vllm-{series}", "vllm", series, version)
+    by_seam = {seam: t.id for t in transforms for seam in t.seams}
+    assert sorted(by_seam) == sorted(registry.required_for("vllm", version))
+    assert by_seam["kv-buffers-v1-runner"] == v1_runner
+    assert by_seam.get("kv-buffers-v2-runner") == v2_runner
+    assert by_seam["startup-free-memory"] == startup
 
 
-def test_vllm_0_22_misses_both_runners(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    matrix = probe_matrix(tmp_path / "matrix.toml", "vllm", "0.22", "0.22.1")
-    assert one_error_line(["check-matrix", "--matrix", str(matrix)], capsys) == (
-        "cell vllm-0.22: required seams startup-free-memory, kv-buffers-v1-runner, "
-        "kv-buffers-v2-runner have no transform for vllm 0.22.1")
+def test_a_vllm_release_between_cells_passes_every_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    matrix = probe_matrix(tmp_path / "matrix.toml", "vllm", "0.17", "0.17.1")
+    assert main(["check-matrix", "--matrix", str(matrix)]) == 0
+    assert "vllm-0.17: 9 transforms" in capsys.readouterr().out
 
 
 def test_a_release_older_than_every_transform_misses_its_seams(

@@ -27,6 +27,11 @@ from codemods.vllm.kv_buffers import (
     SharedKVBuffer,
     TensorKVBuffers,
 )
+from codemods.vllm.kv_buffers_attn_groups import (
+    AttentionGroupKVBuffers,
+    ModelRunnerV2BackendsKVBuffers,
+    ModelRunnerV2GroupsKVBuffers,
+)
 from forge.registry import default_registry
 
 BUILD = BuildContext(
@@ -201,3 +206,86 @@ def test_model_runner_v2_partly_rewritten_tree_is_seen() -> None:
     undone = code.replace(", attn_groups=attn_groups", "")
     hits, already, _ = run(ModelRunnerV2KVBuffers, undone)
     assert (hits, already) == (1, 3)  # the runner refuses a partly rewritten tree
+
+
+# --- vLLM 0.10.1 - 0.23: one unpacked buffer per KVCacheTensor, layouts from the runner --------
+
+
+class _Tensor:
+    def __init__(self, size: int, names: list[str]) -> None:
+        self.size, self.shared_by = size, names
+
+
+class _Group:
+    def __init__(self, names: list[str]) -> None:
+        self.layer_names = names
+
+
+class _Config:
+    kv_cache_tensors = [_Tensor(64, ["a"]), _Tensor(96, ["b", "c"])]
+    kv_cache_groups = [_Group(["a", "b", "c"])]
+
+
+def test_v1_runner_attention_groups_pass_their_layouts() -> None:
+    hits, code = assert_rewrites_fixture(AttentionGroupKVBuffers, "vllm-kv-buffers-attn-groups")
+    assert hits == 1  # the sampler's int8 zeros is not a KV buffer
+    assert "block_stride=0" in code and "self.attn_groups" in code
+    compile(code, "gpu_model_runner.py", "exec")
+    assert_idempotent(AttentionGroupKVBuffers, code)
+
+
+def test_v1_runner_attention_groups_run_as_stock_when_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    _, _, code = run(AttentionGroupKVBuffers, fixture("vllm-kv-buffers-attn-groups"))
+    namespace: dict[str, object] = {"KVCacheConfig": object}
+    exec(compile(code, "gpu_model_runner.py", "exec"), namespace)
+    runner_class = namespace["GPUModelRunner"]
+    runner = runner_class()  # type: ignore[operator]
+    runner.device, runner.attn_groups, runner.runner_only_attn_layers = (
+        torch.device("cpu"), [], set())
+    raw = runner._allocate_kv_cache_tensors(_Config())
+    assert {k: v.numel() for k, v in raw.items()} == {"a": 64, "b": 96, "c": 96}
+    assert raw["b"] is raw["c"]
+    assert all(v.dtype == torch.int8 and not v.any() for v in raw.values())
+
+
+@pytest.mark.parametrize(("codemod", "transform_id", "passed"), [
+    (ModelRunnerV2BackendsKVBuffers, "vllm-kv-buffers-mrv2-backends",
+     "attn_backends=attn_backends"),
+    (ModelRunnerV2GroupsKVBuffers, "vllm-kv-buffers-mrv2-groups", "attn_groups=attn_groups"),
+])
+def test_model_runner_v2_of_0_22_and_0_23_gets_the_layouts_from_its_caller(
+        codemod: type[HitCountingCodemod], transform_id: str, passed: str) -> None:
+    hits, code = assert_rewrites_fixture(codemod, transform_id)
+    assert hits == 3  # the zeros site, the new parameter, the call that fills it
+    assert passed in code and "block_stride=0" in code
+    compile(code, "attn_utils.py", "exec")
+    assert_idempotent(codemod, code)
+
+
+@pytest.mark.parametrize(("codemod", "transform_id", "layouts"), [
+    (ModelRunnerV2BackendsKVBuffers, "vllm-kv-buffers-mrv2-backends", {}),
+    (ModelRunnerV2GroupsKVBuffers, "vllm-kv-buffers-mrv2-groups", []),
+])
+def test_model_runner_v2_of_0_22_and_0_23_runs_as_stock_when_switched_off(
+        codemod: type[HitCountingCodemod], transform_id: str, layouts: object,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    _, _, code = run(codemod, fixture(transform_id))
+    namespace: dict[str, object] = {
+        "KVCacheConfig": object, "AttentionGroup": object, "AttentionBackend": object,
+        "Any": object, "VllmConfig": object, "get_shared_kv_cache_layers": lambda config: {},
+        "_reshape_kv_cache": lambda *args, **kwargs: kwargs.get("kv_cache_raw_tensors",
+                                                                 args[1] if args else None),
+        "bind_kv_cache": lambda *args: None,
+    }
+    exec(compile(code, "attn_utils.py", "exec"), namespace)
+    init = namespace["init_kv_cache"]
+    raw = init([], {}, _Config(), layouts,  # type: ignore[operator]
+               torch.device("cpu"), "auto", [16], None)
+    assert {k: v.numel() for k, v in raw.items()} == {"a": 64, "b": 96, "c": 96}
+    assert raw["b"] is raw["c"] and raw["a"] is not raw["b"]
+    assert all(v.dtype == torch.int8 and not v.any() for v in raw.values())

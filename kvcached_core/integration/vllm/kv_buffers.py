@@ -110,7 +110,7 @@ def _flat(ftensor: Any, nbytes: int) -> Any:
 def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                         kv_cache_config: Any, kv_cache_tensor: Any,
                         kv_cache_shape: Callable[..., Sequence[int]]) -> Any:
-    """One layer's raw KV buffer (vLLM 0.9 - 0.11, `_allocate_kv_cache_tensors`).
+    """One layer's raw KV buffer (vLLM 0.9 - 0.10.0, `_allocate_kv_cache_tensors`).
 
     `kv_cache_shape` is the backend's `get_kv_cache_shape`; it tells K/V planes apart.
     """
@@ -180,11 +180,12 @@ def _regions_of_tensor(kv_cache_tensor: Any, spec: Any,
 def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                      kv_cache_config: Any, kv_cache_tensor: Any, block_stride: int,
                      kv_layouts: Sequence[KVBufferLayout]) -> Any:
-    """The raw buffer of one KVCacheTensor, or the packed backing of all of them (vLLM 0.24 -
-    0.28: V1 `_allocate_kv_cache_tensors`, Model Runner V2 `_allocate_kv_cache`).
+    """The raw buffer of one KVCacheTensor, or the packed backing of all of them (vLLM 0.10.1 -
+    0.28: V1 `_allocate_kv_cache_tensors`, Model Runner V2 `_allocate_kv_cache` from 0.22).
 
-    `block_stride` is the tensor's packed block stride (0: not packed); `kv_layouts` lists each
-    attention group as (layer names, `get_kv_cache_shape`, `get_kv_cache_stride_order`).
+    `block_stride` is the tensor's packed block stride (0: not packed, and always 0 before
+    0.24); `kv_layouts` lists each attention group (or, for 0.22's Model Runner V2, each layer)
+    as (layer names, `get_kv_cache_shape`, `get_kv_cache_stride_order`).
     Every layer's buffer is one kvcached tensor of a single pool, so mapping ledger page `p`
     backs the blocks of page `p` in every layer and plane at once.
     """
