@@ -273,7 +273,7 @@ CODEMODS += [
 # --- end of SGLang ----------------------------------------------------------------------------
 
 
-# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9, 0.13, 0.22, 0.25, 0.32) ---------
+# --- vLLM: elastic block pool and KV buffers (cells vllm-0.9 ... vllm-0.33) --------------------
 # One transform set; where vLLM versions differ, the registry selects the codemod by version
 # range and the rewritten call site passes what differs. The adapter they call is
 # kvcached_core/integration/vllm.
@@ -285,7 +285,7 @@ CODEMODS += [
         id="vllm-block-pool",
         seam="block-pool",
         engine="vllm",
-        versions=">=0.9.2,<0.33",
+        versions=">=0.9.2,<0.34",
         anchor="vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.__init__: BlockPool(...)",
         targets=("{package}/v1/core/kv_cache_coordinator.py",),
         expected_hits=1,
@@ -302,7 +302,7 @@ CODEMODS += [
         id="vllm-allocate-slots-race",
         seam="allocate-slots-race",
         engine="vllm",
-        versions=">=0.9.2,<0.33",
+        versions=">=0.9.2,<0.34",
         anchor="vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots (decorator)",
         targets=("{package}/v1/core/kv_cache_manager.py",),
         expected_hits=1,
@@ -319,7 +319,7 @@ CODEMODS += [
         id="vllm-engine-step-release",
         seam="step-end-release",
         engine="vllm",
-        versions=">=0.9.2,<0.33",
+        versions=">=0.9.2,<0.34",
         anchor="vllm.v1.engine.core.EngineCore.step, EngineCore.step_with_batch_queue "
                "(decorators)",
         targets=("{package}/v1/engine/core.py",),
@@ -337,7 +337,7 @@ CODEMODS += [
         id="vllm-engine-shutdown",
         seam="shutdown",
         engine="vllm",
-        versions=">=0.9.2,<0.33",
+        versions=">=0.9.2,<0.34",
         anchor="vllm.v1.engine.core.EngineCore.shutdown (decorator)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=1,
@@ -368,7 +368,7 @@ CODEMODS += [
         id="vllm-kv-budget-user-bytes",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.10.2,<0.33",
+        versions=">=0.10.2,<0.34",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
         targets=("{package}/v1/engine/core.py",),
@@ -492,7 +492,7 @@ CODEMODS += [
         seam="kv-buffers-v1-runner",
         also_covers=("kv-buffers-v2-runner",),
         engine="vllm",
-        versions=">=0.29,<0.33",
+        versions=">=0.29,<0.34",
         anchor="vllm.v1.worker.utils.allocate_kv_cache: torch.zeros(..., dtype=torch.int8, ...)",
         targets=("{package}/v1/worker/utils.py",),
         expected_hits=1,
@@ -528,7 +528,7 @@ CODEMODS += [
         id="vllm-startup-free-memory",
         seam="startup-free-memory",
         engine="vllm",
-        versions=">=0.14,<0.33",
+        versions=">=0.14,<0.34",
         anchor="vllm.v1.worker.utils.request_memory: init_snapshot.free_memory < "
                "requested_memory (and < engine_memory where weights are held outside, 0.32)",
         targets=("{package}/v1/worker/utils.py",),
@@ -545,7 +545,7 @@ CODEMODS += [
         id="vllm-memory-profile-check",
         seam="memory-profile-check",
         engine="vllm",
-        versions=">=0.9.2,<0.33",
+        versions=">=0.9.2,<0.34",
         anchor="vllm.v1.worker.gpu_worker.Worker.determine_available_memory: "
                "assert <initial free> >= free_gpu_memory ('Error in memory profiling')",
         targets=("{package}/v1/worker/gpu_worker.py",),

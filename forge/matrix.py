@@ -37,7 +37,7 @@ _SERIES = re.compile(r"\d+(\.\d+)*")
 _TOP_FIELDS = {"schema", "index_url", "cell"}
 _CELL_FIELDS = {
     "engine", "series", "version", "build", "python", "torch", "status", "reason",
-    "verified", "test_pins", "artifact", "proof",
+    "verified", "test_pins", "artifact", "proof", "proven",
 }
 _ARTIFACT_FIELDS = {"role", "filename", "sha256", "git", "tag", "commit"}
 _PROOF_FIELDS = {"torch", "l1_tests", "l1_min_passed", "block_pool_args", "kv_manager"}
@@ -116,6 +116,9 @@ class Cell:
     verified: dt.date | None = None
     test_pins: Mapping[str, str] = field(default_factory=dict)
     proof: Proof | None = None
+    # The last heavy-proof result ([cell.proven]: fingerprint, date, l1_passed,
+    # l1_stock_passed, l2), kept as written; only its being a table is checked here.
+    proven: Mapping[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -275,6 +278,8 @@ def _parse_cell(check: _Checker, table: Mapping[str, Any], position: int) -> Cel
     proof_table = check.typed(table, "proof", dict, where, required=False)
     proof = None if proof_table is None else _parse_proof(check, proof_table, where, engine)
 
+    proven = check.typed(table, "proven", dict, where, required=False)
+
     artifact_tables = check.typed(table, "artifact", list, where)
     if not artifact_tables:
         raise check.fail(where, "field 'artifact' must list at least one artifact")
@@ -290,6 +295,7 @@ def _parse_cell(check: _Checker, table: Mapping[str, Any], position: int) -> Cel
         engine=engine, series=series, version=version, build=build, python=python,
         torch=torch, status=status, reason=reason, verified=verified,
         test_pins=dict(pins), artifacts=artifacts, proof=proof,
+        proven=None if proven is None else dict(proven),
     )
 
 

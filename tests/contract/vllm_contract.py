@@ -1,10 +1,11 @@
 """Building blocks of the vLLM L1 contract: the pinned sdist, its patched tree, a test venv.
 
 The patched tree is the sdist's `vllm/` with the cell's transform set applied by forge's own
-runner; the venv (per cell, cached under the forge cache keyed by its pins) holds the cell's
-proof torch (CPU build), vLLM's pure-Python dependencies, the cell's test pins and a stub
-`vllm-<version>+cpu.dist-info` so vLLM picks its CPU platform. A dependency that does not
-install is an error, never a silently smaller suite.
+runner; the venv (cached under the forge cache, keyed by its pins and not by the vLLM version, so
+every cell with the same pins shares one) holds the cell's proof torch (CPU build), vLLM's
+pure-Python dependencies and the cell's test pins. The unpacked tree, which the tests put on
+PYTHONPATH, carries a stub `vllm-<version>+cpu.dist-info` so vLLM sees its own version and picks
+its CPU platform. A dependency that does not install is an error, never a silently smaller suite.
 """
 
 from __future__ import annotations
@@ -66,7 +67,17 @@ def unpacked_sdist(cell: Cell, where: Path) -> Path:
             members = [m for m in tar.getmembers()
                        if m.name.split("/")[1:2] in (["vllm"], ["tests"], ["pyproject.toml"])]
             tar.extractall(where, members=members, filter="data")
+    write_version_stub(cell, target)
     return target
+
+
+def write_version_stub(cell: Cell, tree: Path) -> None:
+    """A `vllm-<version>+cpu.dist-info` beside `tree/vllm`: on PYTHONPATH ahead of the shared
+    venv, it is the version vLLM reads for itself, and `+cpu` selects its CPU platform."""
+    stub = tree / f"vllm-{cell.version}+cpu.dist-info"
+    stub.mkdir(exist_ok=True)
+    (stub / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {cell.version}+cpu\n", encoding="utf-8")
 
 
 def tree_workspace(tree: Path, *, patched: bool, cell: Cell) -> None:
@@ -97,9 +108,10 @@ def torch_requirement(cell: Cell) -> str:
     return f"torch=={proof_of(cell).torch}+cpu"
 
 
-def _pins_key(cell: Cell) -> str:
+def venv_pins_key(cell: Cell) -> str:
+    """What the contract venv holds, without the vLLM version: cells with equal keys share it."""
     pins = {"deps": CONTRACT_DEPS, "torch": torch_requirement(cell),
-            "test_pins": dict(cell.test_pins), "version": cell.version}
+            "test_pins": dict(cell.test_pins)}
     return hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -132,12 +144,14 @@ def _missing_distributions(python: Path, names: tuple[str, ...]) -> list[str]:
 
 
 def contract_venv(cell: Cell) -> Path:
-    """The cell's contract venv (built once, reused while its pins stay the same)."""
+    """The cell's contract venv (built once, reused by every cell with the same pins).
+
+    It holds no vLLM distribution: the version stub lives in the unpacked tree."""
     python_version = platform.python_version()
     if python_version not in SpecifierSet(cell.python):
         raise ContractVenvError(f"{cell.name}: the release needs Python {cell.python}; the "
                                 f"contract venv would be built with {python_version}")
-    root = cache_dir() / "test-venvs" / f"vllm-contract-{cell.series}-{_pins_key(cell)}"
+    root = cache_dir() / "test-venvs" / f"vllm-contract-{venv_pins_key(cell)}"
     root.parent.mkdir(parents=True, exist_ok=True)
     python = root / "bin" / "python"
     required = (*cell.test_pins, *CONTRACT_DEPS)
@@ -160,13 +174,6 @@ def contract_venv(cell: Cell) -> Path:
         if missing:
             raise ContractVenvError(f"{cell.name}: pip finished but {', '.join(missing)} "
                                     "is not installed")
-        site = Path(subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True).stdout.strip())
-        stub = site / f"vllm-{cell.version}+cpu.dist-info"
-        stub.mkdir(exist_ok=True)
-        (stub / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {cell.version}+cpu\n", encoding="utf-8")
         (root / "READY").write_text("ok\n", encoding="utf-8")
     return python
 

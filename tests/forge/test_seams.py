@@ -167,8 +167,8 @@ def test_a_release_older_than_every_transform_misses_its_seams(
 
 
 @pytest.mark.parametrize(("engine", "series", "version", "newest"), [
-    ("vllm", "0.40", "0.40.0", "<0.33"),
-    ("vllm", "0.33", "0.33.0", "<0.33"),
+    ("vllm", "0.40", "0.40.0", "<0.34"),
+    ("vllm", "0.34", "0.34.0", "<0.34"),
     ("sglang", "0.5", "0.5.24", "<0.5.24"),
     ("sglang", "0.6", "0.6.0", "<0.5.24"),
 ])
