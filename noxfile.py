@@ -1,7 +1,8 @@
 """nox sessions, generated from matrix.toml.
 
-Per cell: build-<engine>-<series>, test-<engine>-<series> (requires the build) and
-publish-<engine>-<series> (not run by default). Project sessions: tests, lint, build-core
+Per cell: build-<engine>-<series>, test-<engine>-<series> (requires the build),
+publish-<engine>-<series> and verify-<engine>-<series> (neither run by default; verify re-runs
+the cell's heavy proofs and records them in matrix.toml). Project sessions: tests, lint, build-core
 (the kvcached-core wheels, one per CPython minor a cell allows) and forge (the toolkit's CLI:
 `nox -s forge -- transforms vllm-0.9`). `nox -l --json` is what a CI matrix reads (ci/matrix.py).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tomllib
@@ -53,7 +55,8 @@ def _install_runtime(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["project"])
 def tests(session: nox.Session) -> None:
-    """The project's tests: runtime, toolkit, transforms and every cell's L0 proof."""
+    """The project's tests: runtime, toolkit, transforms, every cell's L0 sources proof and
+    record check, and the heavy proofs of the newest supported cell of each engine."""
     session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
     _install_runtime(session)
     session.run("python", "-m", "pytest", *session.posargs)
@@ -221,10 +224,17 @@ def _make_cell_sessions(cell: dict) -> None:
     def test(session: nox.Session) -> None:
         session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
         _install_runtime(session)
-        session.run("python", "-m", "pytest", "tests/cells", f"--cell={name}",
+        session.run("python", "-m", "pytest", "tests/cells", f"--cell={name}", "--heavy=all",
                     f"--dist={ROOT / 'dist' / name}", *session.posargs)
 
     test.__doc__ = f"Prove cell {name} on the wheels in dist/{name}/."
+
+    @nox.session(name=f"verify-{name}", python=PYTHON, tags=["verify", *tags], default=False)
+    def verify(session: nox.Session) -> None:
+        _verify_cell(session, cell)
+
+    verify.__doc__ = (f"Re-run {name}'s heavy proofs (full build, L1, L2) and, when all pass, "
+                      "record them as its [cell.proven] (not run by default).")
 
     # No `requires=[build-...]`: nox would hand this session's posargs (the URL) to the build
     # too. The publish builds the cell itself, and only when dist/<cell>/ is not current.
@@ -241,6 +251,50 @@ def _make_cell_sessions(cell: dict) -> None:
 
     publish.__doc__ = (f"Build {name} unless dist/{name}/ is current, then upload it and the "
                        "kvcached-core wheels it pins to an index (not run by default).")
+
+
+# The L2 proofs of vLLM (tests/e2e) are written for one release: the cell they name.
+E2E_CELL_LINE = re.compile(r'^CELL = "([^"]+)"', re.MULTILINE)
+
+
+def _l2_suite(cell: dict) -> tuple[str | None, str]:
+    """The cell's L2 test path, or None and the reason it has none here."""
+    name = f"{cell['engine']}-{cell['series']}"
+    if cell["engine"] == "sglang":
+        return "tests/sglang/test_l2_engine.py", ""
+    if cell["engine"] == "vllm":
+        found = E2E_CELL_LINE.search((ROOT / "tests" / "e2e" / "conftest.py").read_text())
+        if found and found.group(1) == name:
+            return "tests/e2e", ""
+        return None, (f"the CPU engine proofs (tests/e2e) are written for "
+                      f"{found.group(1) if found else 'another cell'}")
+    return None, f"no L2 suite for engine {cell['engine']}"
+
+
+def _verify_cell(session: nox.Session, cell: dict) -> None:
+    """L0 (full build), L1 and L2 of one cell with --heavy=all; the record only if all pass."""
+    name = f"{cell['engine']}-{cell['series']}"
+    session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
+    _install_runtime(session)
+    results = Path(session.create_tmp()) / f"proof-results-{name}"
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir(parents=True)
+    common = [f"--cell={name}", "--heavy=all", f"--proof-results={results}", "-q"]
+    l1 = "tests/contract" if cell["engine"] == "vllm" else "tests/sglang/test_l1_contract.py"
+    l2, no_l2 = _l2_suite(cell)
+    steps = [("L0: tests/cells (sources, full build, reviewed diff, install)", ["tests/cells"]),
+             (f"L1: {l1}", [l1])]
+    if l2:
+        steps.append((f"L2: {l2}", [l2, f"--junitxml={results / f'l2-{name}.xml'}"]))
+    for number, (what, args) in enumerate(steps, start=1):
+        session.log(f"[verify {name}] {number}/{len(steps)} {what}")
+        # A failure stops the session here: nothing is recorded.
+        session.run("python", "-m", "pytest", *args, *common, *session.posargs)
+    if not l2:
+        session.log(f"[verify {name}] no L2 here: {no_l2}")
+    session.log(f"[verify {name}] every proof passed: recording [cell.proven]")
+    session.run("python", "-m", "forge", "record-proven", name, "--results", str(results),
+                *(["--l2-not-run", no_l2] if not l2 else []))
 
 
 for _cell in _cells():

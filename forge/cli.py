@@ -61,7 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     transforms.add_argument("cell")
 
     commands.add_parser("check-matrix", parents=[common],
-                        help="validate matrix.toml and lint the transform registry")
+                        help="validate matrix.toml, lint the transform registry and check "
+                             "that every supported cell's [cell.proven] record is current")
+
+    record = commands.add_parser(
+        "record-proven", parents=[common],
+        help="write a cell's [cell.proven] record from the results its heavy proofs wrote "
+             "(run by nox -s verify-<cell> once they all passed)")
+    record.add_argument("cell")
+    record.add_argument("--results", type=Path, required=True,
+                        help="the --proof-results directory of the cell's test runs")
+    record.add_argument("--l2-not-run", default=None, metavar="REASON",
+                        help="the cell has no L2 run here, for this reason")
 
     listing = commands.add_parser("list", parents=[common], help="list the cells")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
@@ -161,7 +172,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     elif command == "transforms":
         _print_transforms(load_matrix(args.matrix), args.cell, _registry(args))
     elif command == "check-matrix":
-        _check_matrix(load_matrix(args.matrix), _registry(args))
+        return _check_matrix(load_matrix(args.matrix), _registry(args))
+    elif command == "record-proven":
+        _record_proven(args)
     elif command == "list":
         _list(load_matrix(args.matrix), as_json=args.json)
     elif command == "publish":
@@ -206,7 +219,8 @@ def _seams(transform: Transform) -> str:
     return " + ".join(transform.seams)
 
 
-def _check_matrix(matrix: Matrix, registry: Registry) -> None:
+def _check_matrix(matrix: Matrix, registry: Registry) -> int:
+    from forge.proven import stale_records
     from forge.transforms import select_transforms
 
     problems = registry.lint()
@@ -216,7 +230,26 @@ def _check_matrix(matrix: Matrix, registry: Registry) -> None:
     counts = ", ".join(
         f"{cell.name}: {len(select_transforms(registry, cell))} transforms" for cell in matrix.cells
     )
+    stale = stale_records(matrix, registry)
+    for line in stale:
+        print(f"forge: error: {line}", file=sys.stderr)
+    if stale:
+        return 1
     print(f"{matrix.path.name}: {len(matrix.cells)} cells OK ({counts})")
+    return 0
+
+
+def _record_proven(args: argparse.Namespace) -> None:
+    import datetime as dt
+
+    from forge.proven import proven_from_results, render_proven, write_proven
+
+    matrix = load_matrix(args.matrix)
+    cell = matrix.get_cell(args.cell)
+    proven = proven_from_results(cell, _registry(args), args.results,
+                                 l2_not_run=args.l2_not_run, today=dt.date.today())
+    write_proven(args.matrix, cell.name, proven)
+    print(f"{args.matrix.name}: cell {cell.name}: recorded\n{render_proven(proven)}", end="")
 
 
 def _list(matrix: Matrix, *, as_json: bool) -> None:

@@ -42,6 +42,10 @@ _CELL_FIELDS = {
 _ARTIFACT_FIELDS = {"role", "filename", "sha256", "git", "tag", "commit"}
 _PROOF_FIELDS = {"torch", "l1_tests", "l1_min_passed", "block_pool_args", "kv_manager"}
 _KV_MANAGER_FIELDS = {"setup", "manager", "request"}
+_PROVEN_FIELDS = {"fingerprint", "date", "l1_passed", "l1_stock_passed", "l2"}
+#: ``proven.l2`` is "passed", or "not run: <reason>" where the cell has no L2 here.
+L2_PASSED = "passed"
+L2_NOT_RUN = "not run: "
 # Proof fields an engine's contract tests cannot run without (beyond the common ones).
 _PROOF_FIELDS_BY_ENGINE = {"vllm": ("block_pool_args", "kv_manager")}
 
@@ -103,6 +107,23 @@ class Proof:
 
 
 @dataclass(frozen=True)
+class Proven:
+    """The cell's [cell.proven] record: the heavy proofs (full build, L1, L2) last passed with
+    the transform set whose patch-set fingerprint is ``fingerprint``.
+
+    Only ``nox -s verify-<cell>`` writes it, from the counts its runs measured.
+    ``l1_passed`` and ``l1_stock_passed`` are the L1 tests passed on the patched and the stock
+    tree (0 where the cell's L1 has no such run); ``l2`` is "passed" or "not run: <reason>".
+    """
+
+    fingerprint: str
+    date: dt.date
+    l1_passed: int
+    l1_stock_passed: int
+    l2: str
+
+
+@dataclass(frozen=True)
 class Cell:
     engine: str
     series: str
@@ -116,9 +137,7 @@ class Cell:
     verified: dt.date | None = None
     test_pins: Mapping[str, str] = field(default_factory=dict)
     proof: Proof | None = None
-    # The last heavy-proof result ([cell.proven]: fingerprint, date, l1_passed,
-    # l1_stock_passed, l2), kept as written; only its being a table is checked here.
-    proven: Mapping[str, Any] | None = None
+    proven: Proven | None = None
 
     @property
     def name(self) -> str:
@@ -278,7 +297,10 @@ def _parse_cell(check: _Checker, table: Mapping[str, Any], position: int) -> Cel
     proof_table = check.typed(table, "proof", dict, where, required=False)
     proof = None if proof_table is None else _parse_proof(check, proof_table, where, engine)
 
-    proven = check.typed(table, "proven", dict, where, required=False)
+    # Validated here when present; a supported cell without one is reported, with the command
+    # that writes it, by check-matrix and the tests (forge.proven.stale_records).
+    proven_table = check.typed(table, "proven", dict, where, required=False)
+    proven = None if proven_table is None else _parse_proven(check, proven_table, where)
 
     artifact_tables = check.typed(table, "artifact", list, where)
     if not artifact_tables:
@@ -294,9 +316,36 @@ def _parse_cell(check: _Checker, table: Mapping[str, Any], position: int) -> Cel
     return Cell(
         engine=engine, series=series, version=version, build=build, python=python,
         torch=torch, status=status, reason=reason, verified=verified,
-        test_pins=dict(pins), artifacts=artifacts, proof=proof,
-        proven=None if proven is None else dict(proven),
+        test_pins=dict(pins), artifacts=artifacts, proof=proof, proven=proven,
     )
+
+
+def _parse_proven(check: _Checker, table: Mapping[str, Any], where: str) -> Proven:
+    """The [cell.proven] table; errors name the field as ``proven.<field>``."""
+    check.no_unknown(table, _PROVEN_FIELDS, f"{where}: proven")
+    for key in sorted(_PROVEN_FIELDS):
+        if key not in table:
+            raise check.fail(where, f"missing required field 'proven.{key}'")
+    fingerprint = table["fingerprint"]
+    if not isinstance(fingerprint, str) or not _SHA256.fullmatch(fingerprint):
+        raise check.fail(where, f"field 'proven.fingerprint' must be 64 lower-case hex digits "
+                                f"(a patch-set fingerprint), got {fingerprint!r}")
+    date = table["date"]
+    if not isinstance(date, dt.date) or isinstance(date, dt.datetime):
+        raise check.fail(where, f"field 'proven.date' must be a date, got {date!r}")
+    counts = {}
+    for key in ("l1_passed", "l1_stock_passed"):
+        value = table[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise check.fail(where, f"field 'proven.{key}' must be an integer >= 0, "
+                                    f"got {value!r}")
+        counts[key] = value
+    l2 = table["l2"]
+    if not isinstance(l2, str) or not (
+            l2 == L2_PASSED or (l2.startswith(L2_NOT_RUN) and l2[len(L2_NOT_RUN):].strip())):
+        raise check.fail(where, f"field 'proven.l2' must be {L2_PASSED!r} or "
+                                f"'{L2_NOT_RUN}<reason>', got {l2!r}")
+    return Proven(fingerprint=fingerprint, date=date, l2=l2, **counts)
 
 
 def _parse_proof(check: _Checker, table: Mapping[str, Any], where: str, engine: str) -> Proof:

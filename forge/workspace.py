@@ -179,6 +179,28 @@ def _valid_import(root: Path, sha256: str) -> bool:
     return recorded == {"sha256": sha256, "vendor": vendor}
 
 
+def _commit_vendor(root: Path, message: str) -> git.Repo:
+    """A new repository at ``root`` whose ``vendor`` branch commits every file there."""
+    repo = git.Repo.init(root, initial_branch=VENDOR_BRANCH)
+    repo.git.update_environment(**GIT_ENV)
+    with repo.config_writer() as config:
+        for key, value in _REPO_CONFIG.items():
+            section, option = key.split(".")
+            config.set_value(section, option, value)
+    repo.git.add("--all", "--force")
+    repo.git.commit("--quiet", "--no-verify", "--allow-empty", "-m", message)
+    return repo
+
+
+def directory_workspace(root: Path, label: str) -> Workspace:
+    """The files under ``root`` (sources that are not a wheel: an unpacked sdist) as the
+    ``vendor`` commit of a new workspace there, reset and ready for the transforms."""
+    _commit_vendor(root, f"vendor: {label}").close()
+    workspace = Workspace(root)
+    workspace.reset()
+    return workspace
+
+
 def _import_wheel(wheel: Path, sha256: str, root: Path, extra: list[str],
                   progress: Progress) -> None:
     temp = root.with_name(root.name + ".importing")
@@ -186,17 +208,8 @@ def _import_wheel(wheel: Path, sha256: str, root: Path, extra: list[str],
     temp.mkdir(parents=True)
     try:
         count = _extract_sources(wheel, temp, set(extra))
-        repo = git.Repo.init(temp, initial_branch=VENDOR_BRANCH)
-        repo.git.update_environment(**GIT_ENV)
-        with repo.config_writer() as config:
-            for key, value in _REPO_CONFIG.items():
-                section, option = key.split(".")
-                config.set_value(section, option, value)
-        repo.git.add("--all", "--force")
-        repo.git.commit(
-            "--quiet", "--no-verify", "--allow-empty",
-            "-m", f"vendor: {wheel.name}\n\nsha256 {sha256}\nsource members: {count}",
-        )
+        repo = _commit_vendor(
+            temp, f"vendor: {wheel.name}\n\nsha256 {sha256}\nsource members: {count}")
         vendor = repo.git.rev_parse(VENDOR_BRANCH).strip()
         (temp / ".git" / _MARKER).write_text(
             json.dumps({"sha256": sha256, "vendor": vendor}), encoding="utf-8"

@@ -1,12 +1,23 @@
 """Options every proof suite shares: `--cell NAME` (repeatable) selects matrix cells in
-tests/cells, tests/contract and tests/sglang alike; `--dist DIR` proves an earlier build."""
+tests/cells, tests/contract and tests/sglang alike; `--dist DIR` proves an earlier build;
+`--heavy` picks the cells whose heavy proofs run; `--proof-results DIR` collects what the
+heavy proofs measured (docs/testing.md)."""
 
 from __future__ import annotations
 
 import pytest
+
+HEAVY_CHOICES = ("newest", "all", "none")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cell", action="append", default=[],
                      help="prove only this matrix cell (repeatable; default: every cell)")
     parser.addoption("--dist", default=None, help="dist dir of an earlier build of --cell")
+    parser.addoption("--heavy", choices=HEAVY_CHOICES, default="newest",
+                     help="cells whose heavy proofs (full build, L1, L2) run: the newest "
+                          "supported cell of each engine (default), every selected cell, or "
+                          "none; every selected cell runs its cheap L0 sources proof")
+    parser.addoption("--proof-results", default=None,
+                     help="directory the heavy proofs write their measured counts to "
+                          "(JSON, read by nox -s verify-<cell>)")

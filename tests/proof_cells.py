@@ -1,4 +1,5 @@
-"""Which matrix cells a proof suite runs for: `--cell NAME` (repeatable), every cell by default.
+"""Which matrix cells a proof suite runs for: `--cell NAME` (repeatable), every cell by default,
+narrowed for the heavy proofs by `--heavy` (the newest supported cell of each engine by default).
 
 The contract suites (tests/contract, tests/sglang) read each cell's proof facts from
 matrix.toml's [cell.proof] table; nothing about a particular release is written in a test file.
@@ -6,10 +7,12 @@ matrix.toml's [cell.proof] table; nothing about a particular release is written 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from forge.matrix import Cell, Proof, load_matrix
 from forge.registry import default_registry
@@ -39,8 +42,38 @@ def selected_cells(config: pytest.Config, engine: str,
     return cells
 
 
+def newest_cells(cells: Sequence[Cell]) -> set[str]:
+    """The canary cells: per engine, its newest supported cell (its newest cell when none is
+    supported). Their heavy proofs run on every CI run, so the runtime and its adapters meet
+    real upstream code of each engine every time."""
+    canaries: set[str] = set()
+    for engine in {cell.engine for cell in cells}:
+        mine = [cell for cell in cells if cell.engine == engine]
+        pool = [cell for cell in mine if cell.status == "supported"] or mine
+        canaries.add(max(pool, key=lambda cell: Version(cell.version)).name)
+    return canaries
+
+
+def heavy_cells(config: pytest.Config, cells: Sequence[Cell], *,
+                per_variant: bool = False) -> list[Cell]:
+    """Those of `cells` whose heavy proofs run under `--heavy` (newest, all or none).
+
+    `per_variant`: `cells` are the cells a test of particular transform variants applies to
+    (it names them); under `newest` the newest of those runs, so every variant of a seam is
+    proven on every run, not only the variants the engine's newest cell uses.
+    """
+    mode = config.getoption("--heavy")
+    if mode == "all":
+        return list(cells)
+    if mode == "none":
+        return []
+    canaries = newest_cells(cells if per_variant else load_matrix(MATRIX).cells)
+    return [cell for cell in cells if cell.name in canaries]
+
+
 def parametrize_cells(metafunc: pytest.Metafunc, engine: str) -> None:
-    """Give a test's `cell` argument one value per selected cell of `engine`.
+    """Give a heavy test's `cell` argument one value per selected cell of `engine` that
+    `--heavy` lets run.
 
     A test module narrows the cells by naming the transforms it exercises in
     `CELL_NEEDS_TRANSFORMS`; a test marked `pytest.mark.cell_needs(*ids)` names its own
@@ -50,8 +83,21 @@ def parametrize_cells(metafunc: pytest.Metafunc, engine: str) -> None:
         return
     marker = metafunc.definition.get_closest_marker("cell_needs")
     needs = marker.args if marker else getattr(metafunc.module, "CELL_NEEDS_TRANSFORMS", ())
-    cells = selected_cells(metafunc.config, engine, needs)
+    cells = heavy_cells(metafunc.config, selected_cells(metafunc.config, engine, needs),
+                        per_variant=bool(needs))
     metafunc.parametrize("cell", cells, ids=[c.name for c in cells], scope="session")
+
+
+def record_result(config: pytest.Config, cell: Cell, proof: str, **counts: int | None) -> None:
+    """Write what a passed heavy proof measured to `--proof-results DIR` (if given) as
+    `<proof>-<cell>.json`; `nox -s verify-<cell>` reads the numbers from there."""
+    folder = config.getoption("--proof-results")
+    if not folder:
+        return
+    path = Path(folder) / f"{proof}-{cell.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"cell": cell.name, "proof": proof, **counts}, sort_keys=True)
+                    + "\n", encoding="utf-8")
 
 
 def proof_of(cell: Cell) -> Proof:

@@ -1,9 +1,10 @@
-"""Per-cell proof (L0, docs/testing.md): every matrix cell builds strictly from its pinned
-upstream artifacts, matches its reviewed diff, and yields wheels that install and say which
-build they are.
+"""Per-cell proof (L0, docs/testing.md): every matrix cell's transforms apply to its pinned
+sources and change exactly its reviewed diff (test_cell_sources.py, cheap, every selected cell);
+the full build re-packs wheels that install and say which build they are (test_cell_build.py,
+heavy: the cells `--heavy` picks).
 
-`pytest tests/cells` builds every cell into a temporary dist; `--cell NAME` narrows it and
-`--dist DIR` proves wheels an earlier `nox -s build-<cell>` already made.
+`pytest tests/cells` proves every cell; `--cell NAME` narrows it and `--dist DIR` proves wheels
+an earlier `nox -s build-<cell>` already made.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from forge.build import BuildResult, build_cell
 from forge.fetch import default_cache_dir
 from forge.matrix import Cell, load_matrix
+from tests.proof_cells import heavy_cells
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "matrix.toml"
@@ -29,6 +31,9 @@ def _selected_cells(config: pytest.Config) -> list[Cell]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "cell" in metafunc.fixturenames:
         cells = _selected_cells(metafunc.config)
+        # A module whose proof takes seconds per cell runs for every selected cell.
+        if not getattr(metafunc.module, "CHEAP_PROOF", False):
+            cells = heavy_cells(metafunc.config, cells)
         metafunc.parametrize("cell", cells, ids=[c.name for c in cells], scope="session")
 
 

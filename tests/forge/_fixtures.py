@@ -21,9 +21,12 @@ import libcst.matchers as m
 from codemods.base import HitCountingCodemod
 from codemods.catalog import CODEMODS, REQUIRED_SEAMS
 from codemods.declare import CodemodDeclaration, RequiredSeam
+from forge import TOOLKIT_VERSION
+from forge.fingerprint import patch_set_fingerprint
 from forge.registry import Registry, Transform, codemod_transform
 
 ENGINE = "fakeeng"
+CELL = f"{ENGINE}-1.0"
 VERSION = "1.0.0"
 TAG = "cp311-cp311-manylinux_2_17_x86_64"
 
@@ -180,13 +183,19 @@ def serve_index(index: SimpleIndex) -> Iterator[SimpleIndex]:
 
 
 def matrix_text(index_url: str, artifacts: list[tuple[str, str, str]], *, build: int = 1,
-                status: str = "supported", extra_cell: str = "") -> str:
-    """A one-cell matrix for fakeeng 1.0.0; ``artifacts`` are (role, filename, sha256)."""
+                status: str = "supported", extra_cell: str = "",
+                proven_fingerprint: str = "0" * 64) -> str:
+    """A one-cell matrix for fakeeng 1.0.0; ``artifacts`` are (role, filename, sha256).
+
+    A supported cell carries a [cell.proven] record with ``proven_fingerprint``."""
     lines = [
         "schema = 1", f'index_url = "{index_url}"', "", "[[cell]]",
         'engine = "fakeeng"', 'series = "1.0"', 'version = "1.0.0"', f"build = {build}",
         'python = ">=3.11"', 'torch = "2.13.0"', f'status = "{status}"', extra_cell,
     ]
+    if status == "supported":
+        lines += ["", "[cell.proven]", f'fingerprint = "{proven_fingerprint}"',
+                  "date = 2026-12-01", "l1_passed = 1", "l1_stock_passed = 1", 'l2 = "passed"']
     for role, filename, digest in artifacts:
         lines += ["", "[[cell.artifact]]", f'role = "{role}"', f'filename = "{filename}"',
                   f'sha256 = "{digest}"']
@@ -308,9 +317,12 @@ def fakeeng_project(root: Path, *, pins: Mapping[str, str] | None = None,
     digests.update(pins or {})
     with serve_index(SimpleIndex(files=files)) as index:
         matrix = root / "matrix.toml"
+        # The record of the cell's heavy proofs names its transform set as it is now.
+        transforms = make_registry(root / "patches").select(CELL, ENGINE, "1.0", "1.0.0")
         matrix.write_text(matrix_text(index_url or index.url, [
             ("wheel", gpu, digests[gpu]), ("cpu-wheel", cpu, digests[cpu]),
-        ]), encoding="utf-8")
+        ], proven_fingerprint=patch_set_fingerprint(transforms, TOOLKIT_VERSION)),
+            encoding="utf-8")
         yield Project(root=root, index=index, matrix=matrix, patches=root / "patches",
                       cache=root / "cache", dist=root / "dist")
 

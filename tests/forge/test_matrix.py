@@ -39,6 +39,13 @@ setup = ""
 manager = "upstream.KVCacheManager(config, max_model_len=8192)"
 request = "upstream.make_request(request_id, tokens)"
 
+[cell.proven]
+fingerprint = "{'ef' * 32}"
+date = 2026-12-01
+l1_passed = 81
+l1_stock_passed = 81
+l2 = "passed"
+
 [[cell.artifact]]
 role = "wheel"
 filename = "vllm-0.9.2-cp38-abi3-manylinux1_x86_64.whl"

@@ -10,17 +10,19 @@ import subprocess
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+import pytest
+
 from forge.matrix import Cell
 from forge.registry import default_registry
 from forge.transforms import select_transforms
-from tests.proof_cells import proof_of
+from tests.proof_cells import proof_of, record_result
 
 from ._venv import EngineVenv
 from .conftest import INSIDE, ROOT, engine_env
 
 
 def test_patched_mem_cache_contract(cell: Cell, patched_venv: EngineVenv,
-                                    tmp_path: Path) -> None:
+                                    tmp_path: Path, pytestconfig: pytest.Config) -> None:
     proof = proof_of(cell)
     files = [ROOT / name for name in proof.l1_tests]
     absent = [str(f) for f in files if not f.is_file() or f.parent != INSIDE]
@@ -44,6 +46,8 @@ def test_patched_mem_cache_contract(cell: Cell, patched_venv: EngineVenv,
         f"{cell.name}: {passed} L1 tests passed, below the recorded floor "
         f"proof.l1_min_passed = {proof.l1_min_passed}")
     assert not (tmp_path / "shim-calls.log").exists()
+    # SGLang's L1 runs in the patched engine's venv only: there is no stock-tree count.
+    record_result(pytestconfig, cell, "l1", patched_passed=passed, stock_passed=None)
 
 
 def test_switch_off_exports_sglangs_own_classes(cell: Cell, patched_venv: EngineVenv,
