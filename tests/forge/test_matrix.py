@@ -121,17 +121,6 @@ def test_proof_is_optional_for_a_cell_not_yet_proven(tmp_path: Path) -> None:
     assert cell.proof is None
 
 
-def test_a_recorded_proof_run_is_kept_with_its_cell(tmp_path: Path) -> None:
-    proven = ('[cell.proven]\nfingerprint = "ab12"\ndate = 2026-12-01\nl1_passed = 80\n'
-              'l1_stock_passed = 80\nl2 = "not run: no CPU engine here"\n\n')
-    at = GOOD.index("[[cell.artifact]]")
-    cell = load_matrix(write(tmp_path, GOOD[:at] + proven + GOOD[at:])).get_cell("vllm-0.9")
-    assert cell.proven is not None
-    assert (cell.proven["fingerprint"], cell.proven["l1_passed"], cell.proven["l2"]) == (
-        "ab12", 80, "not run: no CPU engine here")
-    assert load_matrix(write(tmp_path, GOOD)).get_cell("vllm-0.9").proven is None
-
-
 def test_unknown_cell_lists_known_ones(tmp_path: Path) -> None:
     matrix = load_matrix(write(tmp_path, GOOD))
     with pytest.raises(MatrixError) as caught:
