@@ -97,6 +97,7 @@ _CHURN = textwrap.dedent(
     rng = random.Random(seed)
     held, refused, granted, peak = [], 0, 0, 0
     print("ready", flush=True)
+    sys.stdin.readline()  # "go": every churner has made its pool, so they start together
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if held and rng.random() < 0.45:
@@ -138,8 +139,8 @@ _HOLD = textwrap.dedent(
 
 def spawn(code: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.fixture
@@ -244,6 +245,12 @@ def test_two_processes_churning_never_exceed_the_budget(
         assert child.stdout is not None and child.stdout.readline().strip() == "ready", (
             child.stderr.read() if child.stderr else ""
         )
+    # Only now may they churn: one that started at once could spend the whole budget before
+    # the other's pool had its first page (a slow start is not what this test is about).
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
     peak_charged, members_seen = 0, set()
     while any(child.poll() is None for child in children):
         state = read_budget("shared")
