@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,18 @@ from kvcached_core.integration.vllm.kv_buffers import (
     choose_contiguous_layout,
     planes_outside_blocks,
 )
+from tests.unit.vllm_kv_stand_ins import (
+    Config,
+    Group,
+    KVSpec,
+    Tensor,
+    blocks_first_shape,
+    cpu_shape,
+    hnd,
+    kv_first_shape,
+    nhd,
+    no_stride_order,
+)
 
 PAGE = 32 << 10            # KVCACHED_PAGE_SIZE in these tests
 BLOCK_TOKENS, HEADS, HEAD_SIZE = 16, 2, 64
@@ -31,62 +43,8 @@ NUM_BLOCKS = 16
 NUM_LAYERS = 3
 
 
-def blocks_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-    """FlashAttention / FlashInfer in vLLM 0.23 - 0.25."""
-    return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-
-def kv_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                   head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-    """K and V planes outermost (FlashAttention <= 0.22, ROCm attention)."""
-    return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-
-def cpu_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-              head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-    """CPU attention in vLLM 0.23 - 0.28."""
-    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
-
-
-def nhd() -> tuple[int, ...]:
-    return (0, 1, 2, 3, 4)
-
-
-def hnd() -> tuple[int, ...]:
-    return (0, 1, 3, 2, 4)
-
-
-def no_stride_order() -> tuple[int, ...]:
-    raise NotImplementedError
-
-
-@dataclass
-class Spec:
-    block_size: int = BLOCK_TOKENS
-    num_kv_heads: int = HEADS
-    head_size: int = HEAD_SIZE
-    page_size_bytes: int = BLOCK_BYTES
-
-
-@dataclass
-class Group:
-    kv_cache_spec: Spec
-    layer_names: list[str]
-
-
-@dataclass
-class Tensor:
-    size: int
-    shared_by: list[str]
-    offset: int = 0
-    block_stride: int = 0
-
-
-@dataclass
-class Config:
-    kv_cache_tensors: list[Tensor]
-    kv_cache_groups: list[Group] = field(default_factory=list)
+def layer_spec() -> KVSpec:
+    return KVSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
 
 
 def layer_names(count: int = NUM_LAYERS) -> list[str]:
@@ -95,7 +53,8 @@ def layer_names(count: int = NUM_LAYERS) -> list[str]:
 
 def per_layer_config(num_blocks: int = NUM_BLOCKS) -> Config:
     names = layer_names()
-    return Config([Tensor(BLOCK_BYTES * num_blocks, [n]) for n in names], [Group(Spec(), names)])
+    return Config([Tensor(BLOCK_BYTES * num_blocks, [n]) for n in names],
+                  [Group(layer_spec(), names)])
 
 
 def packed_config(num_layers: int = 2) -> Config:
@@ -103,7 +62,7 @@ def packed_config(num_layers: int = 2) -> Config:
     names = layer_names(num_layers)
     stride = BLOCK_BYTES * num_layers
     return Config([Tensor(stride * NUM_BLOCKS, [n], offset=i * BLOCK_BYTES, block_stride=stride)
-                   for i, n in enumerate(names)], [Group(Spec(), names)])
+                   for i, n in enumerate(names)], [Group(layer_spec(), names)])
 
 
 @pytest.fixture
@@ -322,7 +281,7 @@ def test_a_layer_with_no_known_layout_is_refused(elastic: str) -> None:
 
 def test_several_kv_cache_groups_without_packing_are_refused(elastic: str) -> None:
     config = per_layer_config()
-    config.kv_cache_groups.append(Group(Spec(), ["other"]))
+    config.kv_cache_groups.append(Group(layer_spec(), ["other"]))
     with pytest.raises(KVCachedConfigError, match="one KV cache group"):
         allocate(config, [(layer_names(), blocks_first_shape, nhd)])
 
@@ -383,7 +342,7 @@ def test_contiguous_layout_needs_blocks_first(elastic: str,
 
 
 @dataclass
-class PaddedSpec(Spec):
+class PaddedSpec(KVSpec):
     """A spec whose pages vLLM pads (it views them through as_strided)."""
 
     page_size_padded: int = BLOCK_BYTES + 4096
@@ -392,7 +351,7 @@ class PaddedSpec(Spec):
 def padded_config() -> Config:
     names = layer_names()
     return Config([Tensor(BLOCK_BYTES * NUM_BLOCKS, [n]) for n in names],
-                  [Group(PaddedSpec(), names)])
+                  [Group(PaddedSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES), names)])
 
 
 @pytest.mark.parametrize("layout", [None, "auto"])

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvcached_core.integration.vllm import engine, kv_tensor_buffer, pools
+from tests.unit.vllm_kv_stand_ins import (
+    Config,
+    Group,
+    KVSpec,
+    Tensor,
+    blocks_first_shape,
+    kv_first_shape,
+    nhd,
+)
 
 MIB = 1 << 20
 PAGE = 2 * MIB  # the default KVCACHED_PAGE_SIZE
@@ -26,45 +34,8 @@ STOCK_BLOCKS = USER_BUDGET // (BLOCK_BYTES * LAYERS)  # what stock vLLM sizes: 6
 PAGE_OF_BLOCKS = 64 * MIB  # one 2 MiB page of half-blocks in each of 16 layers x 2 planes
 
 
-def blocks_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-    return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-
-def kv_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                   head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-    return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-
-def nhd() -> tuple[int, ...]:
-    return (0, 1, 2, 3, 4)
-
-
-@dataclass
-class Spec:
-    block_size: int = BLOCK_TOKENS
-    num_kv_heads: int = HEADS
-    head_size: int = HEAD_SIZE
-    page_size_bytes: int = BLOCK_BYTES
-
-
-@dataclass
-class Group:
-    kv_cache_spec: Spec
-    layer_names: list[str]
-
-
-@dataclass
-class Tensor:
-    size: int
-    shared_by: list[str]
-    block_stride: int = 0
-
-
-@dataclass
-class Config:
-    kv_cache_tensors: list[Tensor]
-    kv_cache_groups: list[Group]
+def layer_spec() -> KVSpec:
+    return KVSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
 
 
 @pytest.fixture
@@ -125,7 +96,7 @@ def test_the_rounded_budget_gives_the_kv_buffers_every_block_stock_vllm_has(
     assert num_blocks >= STOCK_BLOCKS
     names = [f"model.layers.{i}.attn" for i in range(LAYERS)]
     config = Config([Tensor(num_blocks * BLOCK_BYTES, [n]) for n in names],
-                    [Group(Spec(), names)])
+                    [Group(layer_spec(), names)])
     buffers = [kv_tensor_buffer(torch.zeros, t.size, dtype=torch.int8,
                                 device=torch.device("cpu"), kv_cache_config=config,
                                 kv_cache_tensor=t, block_stride=0,

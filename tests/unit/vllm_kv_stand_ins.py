@@ -1,0 +1,70 @@
+"""Stand-ins for what vLLM hands the KV-buffer adapter: its KVCacheConfig (tensors, groups and
+their specs) and its attention backends' shape and stride-order functions.
+
+The unit tests drive the adapter with these; the contract tests run the same adapter on vLLM's
+own classes. Only the fields the adapter reads are here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def blocks_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    """FlashAttention / FlashInfer in vLLM 0.23 - 0.25."""
+    return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def kv_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    """K and V planes outermost (FlashAttention <= 0.22, ROCm attention)."""
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def cpu_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+              head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    """CPU attention in vLLM 0.23 - 0.28."""
+    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
+def nhd() -> tuple[int, ...]:
+    return (0, 1, 2, 3, 4)
+
+
+def hnd() -> tuple[int, ...]:
+    return (0, 1, 3, 2, 4)
+
+
+def no_stride_order() -> tuple[int, ...]:
+    raise NotImplementedError
+
+
+@dataclass
+class KVSpec:
+    """An attention layer's KV cache spec: tokens per block, heads, head size, block bytes."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    page_size_bytes: int
+
+
+@dataclass
+class Group:
+    kv_cache_spec: KVSpec
+    layer_names: list[str]
+
+
+@dataclass
+class Tensor:
+    size: int
+    shared_by: list[str]
+    offset: int = 0
+    block_stride: int = 0
+
+
+@dataclass
+class Config:
+    kv_cache_tensors: list[Tensor]
+    kv_cache_groups: list[Group] = field(default_factory=list)
