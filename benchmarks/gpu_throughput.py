@@ -260,11 +260,15 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
                  "KVCACHED_MAX_RESERVED_PAGES": str(args.max_reserved_pages),
                  "KVCACHED_POOL_NAME": f"tput-{config}-{name}", **extra}))
     # Stock first and alone (its profile run would take a neighbour's start for an error),
-    # then the patched engines together (their start-up checks allow for each other).
+    # then each variant that turns kvcached off (the same stock check), alone, then the
+    # elastic engines together (their start-up checks allow for each other).
+    stock_like = [spec for spec in specs[1:] if spec.env.get("KVCACHED_ENABLE") == "0"]
+    elastic = [spec for spec in specs[1:] if spec not in stock_like]
+    groups = [specs[:1], *([spec] for spec in stock_like), elastic]
     engines: dict[str, EngineProcess] = {}
     report: dict[str, Any] = {"config": config, "physical_limit_bytes": int(limit)}
     try:
-        for group in (specs[:1], specs[1:]):
+        for group in groups:
             for spec in group:
                 engines[spec.name] = EngineProcess(spec, args.model, out, base)
             for spec in group:
@@ -294,7 +298,7 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
         report["summary"] = summarize(bursts, args.warmup)
         if args.idle_follow_s > 0 and "error" not in report:
             # The last burst just ended: follow each patched engine while it idles.
-            pools = {spec.name: spec.env["KVCACHED_POOL_NAME"] for spec in specs[1:]}
+            pools = {spec.name: spec.env["KVCACHED_POOL_NAME"] for spec in elastic}
             page = max((int(report[f"{name}_start"].get("page_bytes_all_layers") or 0)
                         for name in pools), default=0) or logical_page_bytes(Path(args.model))
             idle = follow_idle(pools, seconds=args.idle_follow_s, period_s=args.idle_period_s,

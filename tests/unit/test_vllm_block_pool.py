@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.integration.vllm import engine, make_block_pool, pools
 from kvcached_core.integration.vllm.config import pool_name
 from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
@@ -251,3 +251,24 @@ def test_a_decode_allocation_within_held_pages_and_one_that_loses_a_page_race(
     # Within the held page, the same request grows with no snapshot and no new page.
     assert len(manager.allocate_slots(request, 16)) == 1
     assert stand_in.num_cached_block["A"] == 2 and pool.snapshot().in_use_pages == 1
+
+
+def test_with_vllms_own_block_pool_allocate_slots_is_vllms_own() -> None:
+    """KVCACHED_ENABLE=0: the stock pool never loses a page race, so the wrapper neither reads
+    nor saves any per-request record (it costs nothing per request and step) and an error
+    from the allocation is vLLM's, not turned into "no blocks"."""
+
+    class StockKVCacheManager:
+        # No single_type_managers: reading them (the snapshot) would raise AttributeError.
+        coordinator = SimpleNamespace(block_pool=object())
+
+        @engine.none_on_pool_exhausted
+        def allocate_slots(self, request: Any, num_new_tokens: int) -> Any:
+            if num_new_tokens < 0:
+                raise PoolExhausted("only an elastic pool raises this")
+            return [request.request_id] * num_new_tokens
+
+    manager = StockKVCacheManager()
+    assert manager.allocate_slots(SimpleNamespace(request_id="A"), 2) == ["A", "A"]
+    with pytest.raises(PoolExhausted):
+        manager.allocate_slots(SimpleNamespace(request_id="A"), -1)

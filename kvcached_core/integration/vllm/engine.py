@@ -252,14 +252,16 @@ def none_on_pool_exhausted(allocate_slots: F) -> F:
 
     @functools.wraps(allocate_slots)
     def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        managers = self.coordinator.single_type_managers
         block_pool = self.coordinator.block_pool
-        if isinstance(block_pool, ElasticBlockPoolMixin):
-            tokens = _token_bound(args, kwargs)
-            if tokens is not None and block_pool.fits_in_held_pages(tokens, len(managers)):
-                # Nothing to map, so no page race to lose: skip the snapshot, which costs
-                # more than the allocation itself, on every decode step of every request.
-                return allocate_slots(self, request, *args, **kwargs)
+        if not isinstance(block_pool, ElasticBlockPoolMixin):
+            # vLLM's own pool (KVCACHED_ENABLE=0) never raises PoolExhausted.
+            return allocate_slots(self, request, *args, **kwargs)
+        managers = self.coordinator.single_type_managers
+        tokens = _token_bound(args, kwargs)
+        if tokens is not None and block_pool.fits_in_held_pages(tokens, len(managers)):
+            # Nothing to map, so no page race to lose: skip the snapshot, which costs
+            # more than the allocation itself, on every decode step of every request.
+            return allocate_slots(self, request, *args, **kwargs)
         request_id = request.request_id
         before = [len(m.req_to_blocks[request_id]) if request_id in m.req_to_blocks else None
                   for m in managers]
