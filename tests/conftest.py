@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.proof_cells import proof_matrix_path, proof_registry, proof_trial
+
 HEAVY_CHOICES = ("newest", "all", "none")
 
 
@@ -21,3 +23,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--proof-results", default=None,
                      help="directory the heavy proofs write their measured counts to "
                           "(JSON, read by nox -s verify-<cell>)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A named trial that lacks its files stops the run here with one line, before any cell
+    # proof could fall back to the repository's matrix.
+    if proof_trial() is not None:
+        proof_matrix_path()
+        proof_registry()
