@@ -588,3 +588,22 @@ def test_a_diff_variant_applies_with_zero_fuzz_or_is_reported_not_found(tmp_path
     missing = try_variant(transform, sources, build)
     assert missing.result == "not found"
     assert missing.detail.startswith("does not apply with zero fuzz: ")
+
+
+def test_a_proof_command_appends_its_output_to_the_log_and_reports_its_summary(
+        tmp_path: Path) -> None:
+    from forge.upgrade import run_proof_command
+
+    log = tmp_path / "l0-l1.log"
+    log.write_text("earlier\n", encoding="utf-8")
+    script = ("print('..F.'); print('FAILED tests/cells/test_x.py::test_y[vllm-0.33] - boom'); "
+              "print('1 failed, 3 passed in 0.50s'); raise SystemExit(1)")
+    progress: list[str] = []
+    status, output = run_proof_command([sys.executable, "-c", script], {"PATH": "/usr/bin"},
+                                       tmp_path, log, progress.append)
+    assert status == 1
+    assert output.splitlines()[-1] == "1 failed, 3 passed in 0.50s"
+    assert progress == ["    FAILED tests/cells/test_x.py::test_y[vllm-0.33] - boom",
+                        "    1 failed, 3 passed in 0.50s"]
+    text = log.read_text(encoding="utf-8")
+    assert text.startswith("earlier\n$ ") and text.endswith("[exit status 1]\n\n")
