@@ -808,7 +808,7 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
             cache_dir=cache_dir, index_url=index_url, out_dir=out_dir, progress=progress)
         timings["trial build"] = time.monotonic() - built
         if wheels is None:
-            report.l0_l1 = "not run: the trial build failed"
+            report.l0_l1 = "not run: the trial build made no wheels"
         else:
             proofs = run_cell_proofs(report=report, out_dir=out_dir, wheels=wheels,
                                      cache_dir=cache_dir, index_url=index_url,
@@ -974,7 +974,12 @@ def run_cell_proofs(*, report: UpgradeReport, out_dir: Path, wheels: Path, cache
                  f"({timings[step]:.0f} s)")
         if status != 0:
             failed = True
-            parts.append(f"{step} failed: {_first_failure(output, status)}")
+            measured = _l1_numbers(results, report.cell_name) \
+                if step == "L1" and _l1_result(results, report.cell_name) else ""
+            # The release's own tests may have passed while another L1 test failed.
+            parts.append(f"{step} failed: {_first_failure(output, status)}"
+                         + (f" ({measured.removeprefix('L1 ')} in the release's own tests)"
+                            if measured else ""))
         elif step == "L1":
             parts.append(_l1_numbers(results, report.cell_name))
         else:

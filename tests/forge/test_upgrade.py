@@ -173,10 +173,12 @@ class FakeProofs:
     """Stands in for the L0/L1 pytest runs: records each call; L1 writes its count as the real
     L1 test does (`--proof-results`), unless told to fail."""
 
-    def __init__(self, *, fail: str = "", patched: int = 7, stock: int = 7,
-                 collected: int = 9) -> None:
+    def __init__(self, *, fail: str = "", counts_on_failure: bool = False, patched: int = 7,
+                 stock: int = 7, collected: int = 9) -> None:
         self.calls: list[ProofCall] = []
         self.fail, self.counts = fail, (patched, stock, collected)
+        # The release's own tests passed (their count written) but another L1 test failed.
+        self.counts_on_failure = counts_on_failure
 
     def __call__(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path,
                  progress: Callable[[str], None]) -> tuple[int, str]:
@@ -184,7 +186,7 @@ class FakeProofs:
         step = "L1" if "tests/contract" in argv else "L0"
         with log.open("a", encoding="utf-8") as sink:
             sink.write(f"{step} ran\n")
-        if step == self.fail:
+        if step == self.fail and not self.counts_on_failure:
             return 1, ("..F.\nFAILED tests/contract/test_vllm_core_contract.py::"
                        "test_core_tests_pass_on_the_patched_tree[vllm-0.33] - assert\n"
                        "1 failed, 3 passed in 2.00s")
@@ -196,6 +198,10 @@ class FakeProofs:
             (results / f"l1-{cell}.json").write_text(json.dumps(
                 {"cell": cell, "proof": "l1", "patched_passed": patched,
                  "stock_passed": stock, "collected": collected}), encoding="utf-8")
+            if step == self.fail:
+                return 1, ("FAILED tests/contract/test_vllm_allocate_race.py::test_lost_page_race"
+                           "_leaves_the_request_as_before[vllm-0.33] - TypeError\n"
+                           "1 failed, 3 passed in 3.00s")
             return 0, "....\n4 passed in 3.00s"
         return 0, "....\n12 passed, 1 skipped in 5.00s"
 
@@ -331,6 +337,16 @@ def test_a_failing_proof_is_a_line_of_the_report_and_keeps_the_placeholder_floor
         default_registry().required_for("vllm", "0.33.0"))
     assert entry_floor(out) == 533
     assert {"L0", "L1"} <= set(report["timings"])
+
+    monkeypatch.setattr("forge.upgrade.run_proof_command",
+                        FakeProofs(fail="L1", counts_on_failure=True, patched=5, stock=6))
+    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert report["l0_l1"] == (
+        "L0 passed (12 passed, 1 skipped); L1 failed: tests/contract/test_vllm_allocate_race.py"
+        "::test_lost_page_race_leaves_the_request_as_before[vllm-0.33] (5/9 on the patched "
+        "tree, 6 on the stock tree in the release's own tests); see l0-l1.log")
+    assert entry_floor(out) == 533
 
 
 def test_no_l1_runs_l0_only_and_says_so(project: Project, tmp_path: Path,
