@@ -974,12 +974,13 @@ def run_cell_proofs(*, report: UpgradeReport, out_dir: Path, wheels: Path, cache
                  f"({timings[step]:.0f} s)")
         if status != 0:
             failed = True
-            measured = _l1_numbers(results, report.cell_name) \
+            # The release's own tests may have passed (and written their count) while another
+            # L1 test failed.
+            own = _l1_numbers(results, report.cell_name) \
                 if step == "L1" and _l1_result(results, report.cell_name) else ""
-            # The release's own tests may have passed while another L1 test failed.
             parts.append(f"{step} failed: {_first_failure(output, status)}"
-                         + (f" ({measured.removeprefix('L1 ')} in the release's own tests)"
-                            if measured else ""))
+                         + (f" ({own.removeprefix('L1 ')} in the release's own tests)"
+                            if own else ""))
         elif step == "L1":
             parts.append(_l1_numbers(results, report.cell_name))
         else:
