@@ -176,7 +176,13 @@ def upgrade_check(session: nox.Session) -> None:
     if len(session.posargs) < 2:
         session.error("give the engine and the release: nox -s upgrade-check -- vllm 0.33.0 "
                       "(or latest)")
-    session.install(*FORGE_DEPS)
+    if "--no-build" in session.posargs:
+        session.install(*FORGE_DEPS)
+    else:
+        # The check runs the proposed cell's L0 and L1 on its trial build with this
+        # interpreter: it needs what `nox -s verify-<cell>` installs.
+        session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
+        _install_runtime(session)
     session.run("python", "-m", "forge", "upgrade-check", *session.posargs)
 
 

@@ -284,7 +284,9 @@ echo "count=$(jq length <<< "$releases")" >> "$GITHUB_OUTPUT"
 """
 
 # --write-cell appends the proposed experimental cell to matrix.toml (only when every required
-# seam has a working transform); the report folder keeps the unreviewed diffs.
+# seam has a working transform); the report folder keeps the unreviewed diffs. No --no-l1: the
+# scheduled job has the time (timeout-minutes below) to run the cell's L0 and L1 on the trial
+# build, and the cell it proposes then carries its measured L1 floor.
 CHECK_SCRIPT = """\
 nox -s upgrade-check -- "$ENGINE" "$VERSION" --out "$REPORT_DIR" --write-cell
 """

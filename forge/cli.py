@@ -112,8 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     upgrade.add_argument("--no-build", action="store_true",
                          help="do not build the proposed cell's trial wheels (in <out>/dist/)")
     upgrade.add_argument("--no-l1", action="store_true",
-                         help="say in the report that L1 was left out on purpose (the cell's "
-                              "L0/L1 proofs run in `nox -s test-<cell>` once it is reviewed)")
+                         help="run only L0 on the trial build, not the L1 contract suite "
+                              "(the report says L1 was left out on purpose)")
 
     scan = commands.add_parser("upgrade-scan", parents=[common, build_opts],
                                help="list releases on the index newer than each engine's "

@@ -3,23 +3,61 @@ narrowed for the heavy proofs by `--heavy` (the newest supported cell of each en
 
 The contract suites (tests/contract, tests/sglang) read each cell's proof facts from
 matrix.toml's [cell.proof] table; nothing about a particular release is written in a test file.
+
+Every cell proof (tests/cells, tests/contract, tests/sglang, tests/e2e) takes its matrix from
+`proof_matrix_path()` and its transforms from `proof_registry()`: the repository's matrix.toml
+and registry, or, when `KVCACHED_PROOF_TRIAL` names an upgrade check's report folder, the
+trial matrix and trial registry its trial build wrote there (forge/trial.py), so the proposed
+cell is proven exactly as it was built.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
+from forge.errors import ForgeError
 from forge.matrix import Cell, Proof, load_matrix
-from forge.registry import default_registry
+from forge.registry import Registry, default_registry
 from forge.transforms import select_transforms
+from forge.trial import PROOF_TRIAL_ENV, trial_matrix_path, trial_registry
 
 ROOT = Path(__file__).resolve().parents[1]
-MATRIX = ROOT / "matrix.toml"
+REPO_MATRIX = ROOT / "matrix.toml"
+
+
+def proof_trial() -> Path | None:
+    """The trial folder `KVCACHED_PROOF_TRIAL` names, if any."""
+    named = os.environ.get(PROOF_TRIAL_ENV, "").strip()
+    return Path(named) if named else None
+
+
+def proof_matrix_path() -> Path:
+    """The matrix the cell proofs select and build from: the trial's when one is named."""
+    trial = proof_trial()
+    if trial is None:
+        return REPO_MATRIX
+    try:
+        return trial_matrix_path(trial)
+    except ForgeError as exc:
+        raise pytest.UsageError(f"{PROOF_TRIAL_ENV}: {exc}") from None
+
+
+def proof_registry() -> Registry:
+    """The registry the cell proofs select transforms and reviewed diffs from: the trial's
+    (its chosen transforms, narrowed to its release) when one is named."""
+    trial = proof_trial()
+    if trial is None:
+        return default_registry()
+    try:
+        return trial_registry(trial)
+    except ForgeError as exc:
+        raise pytest.UsageError(f"{PROOF_TRIAL_ENV}: {exc}") from None
 
 
 def selected_cells(config: pytest.Config, engine: str,
@@ -30,13 +68,13 @@ def selected_cells(config: pytest.Config, engine: str,
     transform ids (a test of one transform variant runs where that variant applies).
     An unknown cell name is an error that lists the known ones.
     """
-    matrix = load_matrix(MATRIX)
+    matrix = load_matrix(proof_matrix_path())
     wanted = config.getoption("--cell")
     cells = [matrix.get_cell(name) for name in wanted] if wanted else list(matrix.cells)
     cells = [cell for cell in cells if cell.engine == engine]
     needed = set(needs_transforms)
     if needed:
-        registry = default_registry()
+        registry = proof_registry()
         cells = [cell for cell in cells
                  if needed <= {t.id for t in select_transforms(registry, cell)}]
     return cells
@@ -67,7 +105,7 @@ def heavy_cells(config: pytest.Config, cells: Sequence[Cell], *,
         return list(cells)
     if mode == "none":
         return []
-    canaries = newest_cells(cells if per_variant else load_matrix(MATRIX).cells)
+    canaries = newest_cells(cells if per_variant else load_matrix(proof_matrix_path()).cells)
     return [cell for cell in cells if cell.name in canaries]
 
 

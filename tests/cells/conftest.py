@@ -16,14 +16,11 @@ import pytest
 from forge.build import BuildResult, build_cell
 from forge.fetch import default_cache_dir
 from forge.matrix import Cell, load_matrix
-from tests.proof_cells import heavy_cells
-
-ROOT = Path(__file__).resolve().parents[2]
-MATRIX = ROOT / "matrix.toml"
+from tests.proof_cells import heavy_cells, proof_matrix_path, proof_registry
 
 
 def _selected_cells(config: pytest.Config) -> list[Cell]:
-    matrix = load_matrix(MATRIX)
+    matrix = load_matrix(proof_matrix_path())
     wanted = config.getoption("--cell")
     return [matrix.get_cell(name) for name in wanted] if wanted else list(matrix.cells)
 
@@ -45,7 +42,8 @@ def built(cell: Cell, tmp_path_factory: pytest.TempPathFactory,
     if given:
         return Path(given)
     dist = tmp_path_factory.mktemp(f"dist-{cell.name}")
-    return build_cell(cell.name, matrix_path=MATRIX, dist_dir=dist, cache_dir=default_cache_dir())
+    return build_cell(cell.name, matrix_path=proof_matrix_path(), dist_dir=dist,
+                      cache_dir=default_cache_dir(), registry=proof_registry())
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from forge import TOOLKIT_VERSION
 from forge.build import reviewed_diff_path
 from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
 from forge.matrix import Artifact, Cell, load_matrix
-from forge.registry import Kind, Registry, Transform, default_registry
+from forge.registry import Kind, Registry, Transform
 from forge.transforms import patch_set_fingerprint, run_transforms, select_transforms
 from forge.workspace import (
     SOURCE_SUFFIXES,
@@ -28,9 +28,8 @@ from forge.workspace import (
     directory_workspace,
     wheel_workspace,
 )
+from tests.proof_cells import proof_matrix_path, proof_registry
 
-ROOT = Path(__file__).resolve().parents[2]
-MATRIX = ROOT / "matrix.toml"
 CORE_PACKAGE = "kvcached_core"
 PROVENANCE_MODULE = "_kvcached_build.py"
 EVERY_MEMBER = "*"
@@ -56,9 +55,9 @@ class PatchedSources:
 
 def patch_sources(cell: Cell, where: Path) -> PatchedSources:
     """Apply the cell's transform set to its pinned sources, unpacked under `where`."""
-    registry = default_registry()
+    registry = proof_registry()
     transforms = select_transforms(registry, cell)
-    matrix = load_matrix(MATRIX)
+    matrix = load_matrix(proof_matrix_path())
     index_url = resolve_index_url(matrix)
     sdist = cell.artifact("sdist")
     artifact = sdist if sdist is not None else cell.wheel_artifacts[0]

@@ -16,11 +16,9 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from forge.build import build_cell
 from forge.fetch import default_cache_dir
 from forge.matrix import Cell
-from forge.registry import default_registry
 from forge.repack import read_provenance
 from forge.transforms import select_transforms
-
-from .conftest import MATRIX
+from tests.proof_cells import ROOT, proof_matrix_path, proof_registry
 
 
 def _engine_wheels(wheel_dir: Path) -> list[Path]:
@@ -40,6 +38,7 @@ def test_every_upstream_wheel_is_rebuilt_with_its_tags_and_a_local_label(
     built = {parse_wheel_filename(w.name)[0]: w for w in _engine_wheels(wheel_dir)}
     assert len(built) == len(cell.wheel_artifacts)
     for artifact in cell.wheel_artifacts:
+        assert artifact.filename is not None
         name, version, build_tag, tags = parse_wheel_filename(artifact.filename)
         ours = built[name]
         _, new_version, new_build_tag, new_tags = parse_wheel_filename(ours.name)
@@ -65,7 +64,7 @@ def test_provenance_names_the_pinned_base_and_the_applied_transforms(
 
 def test_applied_transforms_cover_each_required_seam_exactly_once(
         cell: Cell, wheel_dir: Path) -> None:
-    registry = default_registry()
+    registry = proof_registry()
     by_id = {t.id: t for t in select_transforms(registry, cell)}
     required = registry.required_for(cell.engine, cell.version)
     assert required, f"{cell.engine} declares no required seams"
@@ -93,7 +92,7 @@ def test_meta_wheel_pins_exactly_the_build_and_the_runtime(cell: Cell, wheel_dir
                     for line in out.stdout.splitlines() if line.startswith("Requires-Dist:")]
         pins = {canonicalize_name(r.name): str(r.specifier) for r in requires}
         assert pins[engine] == f"=={engines[engine]}"
-        assert pins["kvcached-core"].startswith("==")
+        assert pins[canonicalize_name("kvcached-core")].startswith("==")
 
 
 def test_installed_wheel_matches_record_and_describes_its_build(
@@ -108,7 +107,7 @@ def test_installed_wheel_matches_record_and_describes_its_build(
         dist_name = str(parse_wheel_filename(wheel.name)[0])
         env = dict(os.environ, PYTHONPATH=str(target))
         verified = subprocess.run([sys.executable, "-m", "forge", "verify-installed", dist_name],
-                                  env=env, capture_output=True, text=True, cwd=MATRIX.parent)
+                                  env=env, capture_output=True, text=True, cwd=ROOT)
         assert verified.returncode == 0, verified.stderr
         assert "match RECORD" in verified.stdout
         module = target / cell.engine / "_kvcached_build.py"
@@ -125,8 +124,9 @@ def test_installed_wheel_matches_record_and_describes_its_build(
 
 
 def test_a_second_build_is_byte_identical(cell: Cell, wheel_dir: Path, tmp_path: Path) -> None:
-    again = build_cell(cell.name, matrix_path=MATRIX, dist_dir=tmp_path / "dist",
-                       cache_dir=default_cache_dir(), progress=lambda line: None)
+    again = build_cell(cell.name, matrix_path=proof_matrix_path(), dist_dir=tmp_path / "dist",
+                       cache_dir=default_cache_dir(), registry=proof_registry(),
+                       progress=lambda line: None)
     first = {w.name: _sha256(w) for w in wheel_dir.glob("*.whl")}
     second = {w.name: _sha256(w) for w in again.wheels}
     assert first == second

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from forge.matrix import load_matrix
-from tests.contract.vllm_contract import MATRIX, venv_pins_key, write_version_stub
+from tests.contract.vllm_contract import venv_pins_key, write_version_stub
+from tests.proof_cells import REPO_MATRIX as MATRIX  # facts of the repository's own cells
 
 
 def test_cells_that_differ_only_in_their_release_share_one_venv() -> None:

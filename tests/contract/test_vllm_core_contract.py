@@ -103,4 +103,5 @@ def test_core_tests_pass_on_the_patched_tree(cell: Cell, tmp_path: Path,
               f"(stock: {stock.get(test)})")
     problems = l1_verdict(cell.name, stock, patched, proof.l1_min_passed)
     assert not problems, "\n".join(problems)
-    record_result(pytestconfig, cell, "l1", patched_passed=passed, stock_passed=stock_passed)
+    record_result(pytestconfig, cell, "l1", patched_passed=passed, stock_passed=stock_passed,
+                  collected=len(patched))

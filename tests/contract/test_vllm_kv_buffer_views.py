@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from forge.matrix import Cell
-from forge.registry import default_registry
 from forge.transforms import select_transforms
 from tests.contract.vllm_contract import ROOT, contract_venv, tree_workspace, unpacked_sdist
+from tests.proof_cells import proof_registry
 
 pytestmark = pytest.mark.slow
 
@@ -258,7 +258,7 @@ def test_unpacked_kv_buffers_of_0_10_to_0_23_read_like_stock_ones(
     """The V1 runner through its attention groups, and Model Runner V2 where the cell rewrites
     it (0.22, 0.23). Up to 0.22 the three backends keep K and V in two planes outside the
     blocks (`auto` stays per layer), from 0.23 they are blocks-first."""
-    transforms = {t.id for t in select_transforms(default_registry(), cell)}
+    transforms = {t.id for t in select_transforms(proof_registry(), cell)}
     mrv2 = [name for tid, name in MRV2_UNPACKED.items() if tid in transforms]
     run_script(cell, patched_tree(cell), SETUP + UNPACKED_RUNNERS + CHECK, backend, kv_layout,
                tmp_path, KV_MRV2=",".join(mrv2))

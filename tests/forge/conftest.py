@@ -151,7 +151,7 @@ def build_wheel(recipe: WheelRecipe, out_dir: Path) -> Path:
         members.append((f"{recipe.dist_info}/RECORD", Member(record.getvalue().encode())))
 
     sink: io.BytesIO | _Unseekable = _Unseekable() if recipe.data_descriptors else io.BytesIO()
-    with zipfile.ZipFile(sink, "w") as archive:  # type: ignore[arg-type]
+    with zipfile.ZipFile(sink, "w") as archive:
         for index, (path, member) in enumerate(members):
             info = zipfile.ZipInfo(path, date_time=(2025, 7, 7, 17, 26, 18 + index % 2 * 2))
             info.compress_type = member.method
@@ -159,9 +159,9 @@ def build_wheel(recipe: WheelRecipe, out_dir: Path) -> Path:
             info.create_system = 3
             archive.writestr(info, member.data, compresslevel=member.level)
     data = bytes(sink.buffer) if isinstance(sink, _Unseekable) else sink.getvalue()
-    path = out_dir / recipe.filename
-    path.write_bytes(data)
-    return path
+    wheel = out_dir / recipe.filename
+    wheel.write_bytes(data)
+    return wheel
 
 
 WheelFactory = Callable[..., Path]

@@ -14,10 +14,11 @@ import io
 import json
 import shutil
 import socket
+import sys
 import tarfile
 import threading
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from forge.errors import DiffMismatchError
 from forge.index import LocalIndex
 from forge.matrix import load_matrix
 from forge.registry import PATCHES_ROOT, default_registry
+from forge.trial import PROOF_TRIAL_ENV, trial_matrix_path, trial_registry
 from tests.forge.conftest import Member, WheelRecipe, build_wheel
 from tests.transforms.test_vllm_startup_memory_codemods import PROFILE_032, REQUEST_MEMORY
 
@@ -107,6 +109,17 @@ python = ">=3.10,<3.15"
 torch = "2.11.0"
 status = "supported"
 
+[cell.proof]
+torch = "2.13.0"
+l1_tests = ["tests/v1/core/test_prefix_caching.py"]
+l1_min_passed = 533
+block_pool_args = "True, 16"
+
+[cell.proof.kv_manager]
+setup = "upstream.init_none_hash(upstream.sha256)"
+manager = "upstream.make_kv_cache_manager(config, max_model_len=8192)"
+request = "upstream.make_request(request_id, tokens, 16, upstream.sha256)"
+
 [[cell.artifact]]
 role = "wheel"
 filename = "{wheel}"
@@ -144,8 +157,65 @@ def reviewed_files(project: Project) -> list[str]:
     return sorted(p.name for p in project.patches.rglob("reviewed/*"))
 
 
+def entry_floor(out: Path) -> int:
+    entry = tomllib.loads((out / "matrix-entry.toml").read_text(encoding="utf-8"))["cell"][0]
+    return int(entry["proof"]["l1_min_passed"])
+
+
+@dataclass
+class ProofCall:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+
+
+class FakeProofs:
+    """Stands in for the L0/L1 pytest runs: records each call; L1 writes its count as the real
+    L1 test does (`--proof-results`), unless told to fail."""
+
+    def __init__(self, *, fail: str = "", counts_on_failure: bool = False, patched: int = 7,
+                 stock: int = 7, collected: int = 9) -> None:
+        self.calls: list[ProofCall] = []
+        self.fail, self.counts = fail, (patched, stock, collected)
+        # The release's own tests passed (their count written) but another L1 test failed.
+        self.counts_on_failure = counts_on_failure
+
+    def __call__(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path,
+                 progress: Callable[[str], None]) -> tuple[int, str]:
+        self.calls.append(ProofCall(list(argv), dict(env), cwd))
+        step = "L1" if "tests/contract" in argv else "L0"
+        with log.open("a", encoding="utf-8") as sink:
+            sink.write(f"{step} ran\n")
+        if step == self.fail and not self.counts_on_failure:
+            return 1, ("..F.\nFAILED tests/contract/test_vllm_core_contract.py::"
+                       "test_core_tests_pass_on_the_patched_tree[vllm-0.33] - assert\n"
+                       "1 failed, 3 passed in 2.00s")
+        if step == "L1":
+            results = Path(next(a for a in argv if a.startswith("--proof-results="))
+                           .split("=", 1)[1])
+            cell = next(a for a in argv if a.startswith("--cell=")).split("=", 1)[1]
+            patched, stock, collected = self.counts
+            (results / f"l1-{cell}.json").write_text(json.dumps(
+                {"cell": cell, "proof": "l1", "patched_passed": patched,
+                 "stock_passed": stock, "collected": collected}), encoding="utf-8")
+            if step == self.fail:
+                return 1, ("FAILED tests/contract/test_vllm_allocate_race.py::test_lost_page_race"
+                           "_leaves_the_request_as_before[vllm-0.33] - TypeError\n"
+                           "1 failed, 3 passed in 3.00s")
+            return 0, "....\n4 passed in 3.00s"
+        return 0, "....\n12 passed, 1 skipped in 5.00s"
+
+
+@pytest.fixture
+def fake_proofs(monkeypatch: pytest.MonkeyPatch) -> FakeProofs:
+    fake = FakeProofs()
+    monkeypatch.setattr("forge.upgrade.run_proof_command", fake)
+    return fake
+
+
 def test_every_seam_finds_the_cells_change_and_a_cell_is_proposed(
-        project: Project, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        project: Project, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        fake_proofs: FakeProofs) -> None:
     matrix_before = project.matrix.read_text(encoding="utf-8")
     out = tmp_path / "report"
     assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 0
@@ -190,6 +260,35 @@ def test_every_seam_finds_the_cells_change_and_a_cell_is_proposed(
         f"vllm-0.33.0+kvcached.1-{WHEEL_TAGS}.whl"]
     assert (out / "trial-patches" / "vllm" / "0.33" / "reviewed" / "vllm.diff").is_file()
 
+    # Then L0 and L1 of the proposed cell, on that trial, as their own pytest runs.
+    root = Path(__file__).resolve().parents[2]
+    results = (out / "proof-results").resolve()
+    common = ["--cell=vllm-0.33", "--heavy=all", f"--proof-results={results}", "-q", "-rfE",
+              "-p", "no:cacheprovider"]
+    l0, l1 = fake_proofs.calls
+    assert l0.argv == [sys.executable, "-m", "pytest", "tests/cells", *common,
+                       f"--dist={(out / 'dist' / 'vllm-0.33').resolve()}"]
+    assert l1.argv == [sys.executable, "-m", "pytest", "tests/contract", *common]
+    for call in (l0, l1):
+        assert call.cwd == root
+        assert call.env[PROOF_TRIAL_ENV] == str(out.resolve())
+        assert call.env["KVCACHED_FORGE_CACHE"] == str(project.cache.resolve())
+        assert call.env["KVCACHED_FORGE_INDEX_URL"] == project.index_url
+    # The trial the env var names is the one the wheels were built with.
+    trial = trial_registry(out)
+    chosen_ids = {row["chosen"] for row in report["seams"]}
+    assert [t.id for t in trial.codemods] == [t.id for t in default_registry().codemods
+                                              if t.id in chosen_ids]  # catalogue order
+    trial_cell = load_matrix(trial_matrix_path(out)).get_cell("vllm-0.33")
+    assert trial_cell.proof is not None and trial_cell.proof.l1_min_passed == 1
+    assert report["l0_l1"] == "L0 passed (12 passed, 1 skipped); L1 7/9 on both trees"
+    assert {"trial build", "L0", "L1"} <= set(report["timings"])
+    assert "- L0/L1: L0 passed (12 passed, 1 skipped); L1 7/9 on both trees" in \
+        (out / "report.md").read_text(encoding="utf-8")
+    assert (out / "l0-l1.log").read_text(encoding="utf-8") == "L0 ran\nL1 ran\n"
+    # The measured count is the proposed cell's L1 floor.
+    assert entry_floor(out) == 7
+
 
 def test_write_cell_appends_an_experimental_cell_that_validates(
         project: Project, tmp_path: Path) -> None:
@@ -202,6 +301,64 @@ def test_write_cell_appends_an_experimental_cell_that_validates(
     cell = load_matrix(matrix).get_cell("vllm-0.33")
     assert (cell.status, cell.version, cell.torch) == ("experimental", "0.33.0", "2.14.0")
     assert reviewed_files(project) == ["vllm.diff"]
+    report = json.loads((tmp_path / "r" / "report.json").read_text(encoding="utf-8"))
+    assert report["l0_l1"] == ("not run: the proofs run on the trial build, which --no-build "
+                               "leaves out")
+    # Without a measurement the floor is the nearest cell's.
+    assert cell.proof is not None and cell.proof.l1_min_passed == 533
+
+
+def test_write_cell_after_the_proofs_appends_the_measured_floor_once(
+        project: Project, tmp_path: Path, fake_proofs: FakeProofs) -> None:
+    matrix = tmp_path / "matrix.toml"
+    shutil.copyfile(project.matrix, matrix)
+    args = project.args("upgrade-check", "vllm", "0.33.0", "--out", str(tmp_path / "r"),
+                        "--write-cell")
+    args[args.index("--matrix") + 1] = str(matrix)
+    assert main(args) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text(encoding="utf-8"))
+    assert report["build"].startswith("built ")  # the trial matrix holds the cell once
+    cell = load_matrix(matrix).get_cell("vllm-0.33")
+    assert cell.proof is not None and cell.proof.l1_min_passed == 7
+    assert len(fake_proofs.calls) == 2
+
+
+def test_a_failing_proof_is_a_line_of_the_report_and_keeps_the_placeholder_floor(
+        project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeProofs(fail="L1")
+    monkeypatch.setattr("forge.upgrade.run_proof_command", fake)
+    out = tmp_path / "r"
+    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert report["l0_l1"] == (
+        "L0 passed (12 passed, 1 skipped); L1 failed: tests/contract/test_vllm_core_contract.py"
+        "::test_core_tests_pass_on_the_patched_tree[vllm-0.33]; see l0-l1.log")
+    assert report["cell_proposed"] and len(report["seams"]) == len(
+        default_registry().required_for("vllm", "0.33.0"))
+    assert entry_floor(out) == 533
+    assert {"L0", "L1"} <= set(report["timings"])
+
+    monkeypatch.setattr("forge.upgrade.run_proof_command",
+                        FakeProofs(fail="L1", counts_on_failure=True, patched=5, stock=6))
+    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert report["l0_l1"] == (
+        "L0 passed (12 passed, 1 skipped); L1 failed: tests/contract/test_vllm_allocate_race.py"
+        "::test_lost_page_race_leaves_the_request_as_before[vllm-0.33] (5/9 on the patched "
+        "tree, 6 on the stock tree in the release's own tests); see l0-l1.log")
+    assert entry_floor(out) == 533
+
+
+def test_no_l1_runs_l0_only_and_says_so(project: Project, tmp_path: Path,
+                                        fake_proofs: FakeProofs) -> None:
+    out = tmp_path / "r"
+    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out),
+                             "--no-l1")) == 0
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert [call.argv[3] for call in fake_proofs.calls] == ["tests/cells"]
+    assert report["l0_l1"] == "L0 passed (12 passed, 1 skipped); L1 not run (--no-l1)"
+    assert "L1" not in report["timings"]
+    assert entry_floor(out) == 533
 
 
 def test_a_missing_anchor_is_a_row_and_no_cell_is_proposed(
@@ -447,3 +604,22 @@ def test_a_diff_variant_applies_with_zero_fuzz_or_is_reported_not_found(tmp_path
     missing = try_variant(transform, sources, build)
     assert missing.result == "not found"
     assert missing.detail.startswith("does not apply with zero fuzz: ")
+
+
+def test_a_proof_command_appends_its_output_to_the_log_and_reports_its_summary(
+        tmp_path: Path) -> None:
+    from forge.upgrade import run_proof_command
+
+    log = tmp_path / "l0-l1.log"
+    log.write_text("earlier\n", encoding="utf-8")
+    script = ("print('..F.'); print('FAILED tests/cells/test_x.py::test_y[vllm-0.33] - boom'); "
+              "print('1 failed, 3 passed in 0.50s'); raise SystemExit(1)")
+    progress: list[str] = []
+    status, output = run_proof_command([sys.executable, "-c", script], {"PATH": "/usr/bin"},
+                                       tmp_path, log, progress.append)
+    assert status == 1
+    assert output.splitlines()[-1] == "1 failed, 3 passed in 0.50s"
+    assert progress == ["    FAILED tests/cells/test_x.py::test_y[vllm-0.33] - boom",
+                        "    1 failed, 3 passed in 0.50s"]
+    text = log.read_text(encoding="utf-8")
+    assert text.startswith("earlier\n$ ") and text.endswith("[exit status 1]\n\n")

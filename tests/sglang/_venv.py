@@ -178,6 +178,6 @@ def engine_venv(root: Path, base: Path, wheels: Sequence[Path]) -> EngineVenv:
 
 if __name__ == "__main__":
     from forge.matrix import load_matrix
-    from tests.proof_cells import MATRIX
+    from tests.proof_cells import proof_matrix_path
 
-    print(base_venv(load_matrix(MATRIX).get_cell(sys.argv[1])))
+    print(base_venv(load_matrix(proof_matrix_path()).get_cell(sys.argv[1])))

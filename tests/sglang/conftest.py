@@ -20,12 +20,10 @@ import pytest
 from forge.build import BuildResult, build_cell
 from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
 from forge.matrix import Cell, load_matrix
-from tests.proof_cells import parametrize_cells
+from tests.proof_cells import ROOT, parametrize_cells, proof_matrix_path, proof_registry
 
 from . import _venv
 
-ROOT = Path(__file__).resolve().parents[2]
-MATRIX = ROOT / "matrix.toml"
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
 INSIDE = HERE / "inside"
@@ -40,14 +38,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="session")
 def sglang_cell(cell: Cell, tmp_path_factory: pytest.TempPathFactory) -> BuildResult:
-    return build_cell(cell.name, matrix_path=MATRIX,
+    return build_cell(cell.name, matrix_path=proof_matrix_path(),
                       dist_dir=tmp_path_factory.mktemp(f"dist-{cell.name}"),
-                      cache_dir=default_cache_dir(), progress=lambda _line: None)
+                      cache_dir=default_cache_dir(), registry=proof_registry(),
+                      progress=lambda _line: None)
 
 
 @pytest.fixture(scope="session")
 def stock_wheel(cell: Cell) -> Path:
-    matrix = load_matrix(MATRIX)
+    matrix = load_matrix(proof_matrix_path())
     (artifact,) = cell.wheel_artifacts
     return fetch_artifact(artifact, index_url=resolve_index_url(matrix, None),
                           cache_dir=default_cache_dir())

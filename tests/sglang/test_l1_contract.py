@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from forge.matrix import Cell
-from forge.registry import default_registry
 from forge.transforms import select_transforms
-from tests.proof_cells import proof_of, record_result
+from tests.proof_cells import proof_of, proof_registry, record_result
 
 from ._venv import EngineVenv
 from .conftest import INSIDE, ROOT, engine_env
@@ -52,7 +51,7 @@ def test_patched_mem_cache_contract(cell: Cell, patched_venv: EngineVenv,
 
 def test_switch_off_exports_sglangs_own_classes(cell: Cell, patched_venv: EngineVenv,
                                                 tmp_path: Path) -> None:
-    transforms = select_transforms(default_registry(), cell)
+    transforms = select_transforms(proof_registry(), cell)
     probe = (
         "from sglang.srt.mem_cache import common, kv_cache_configurator as c, memory_pool as m\n"
         "from sglang.srt.mem_cache.allocator import paged, token\n"
