@@ -40,7 +40,8 @@ _CELL_FIELDS = {
     "verified", "test_pins", "artifact", "proof", "proven",
 }
 _ARTIFACT_FIELDS = {"role", "filename", "sha256", "git", "tag", "commit"}
-_PROOF_FIELDS = {"torch", "l1_tests", "l1_min_passed", "block_pool_args", "kv_manager"}
+_PROOF_FIELDS = {"torch", "l1_tests", "l1_min_passed", "block_pool_args", "kv_manager",
+                 "l1_tests_from"}
 _KV_MANAGER_FIELDS = {"setup", "manager", "request"}
 _PROVEN_FIELDS = {"fingerprint", "date", "l1_passed", "l1_stock_passed", "l2"}
 #: ``proven.l2`` is "passed", or "not run: <reason>" where the cell has no L2 here.
@@ -97,6 +98,8 @@ class Proof:
     that passes fewer fails, so a suite that shrinks (tests lost to a missing dependency, a
     renamed file, a collection error) cannot pass unnoticed. ``block_pool_args`` is Python
     source: the arguments after the number of blocks of the release's ``BlockPool(...)``.
+    ``l1_tests_from`` names the cell whose pinned sdist supplies the L1 test files of a
+    release the index has no sdist of (the package sources are then the cell's wheel's).
     """
 
     torch: str
@@ -104,6 +107,7 @@ class Proof:
     l1_min_passed: int
     block_pool_args: str | None = None
     kv_manager: KVManagerRecipe | None = None
+    l1_tests_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,27 @@ def parse_matrix(raw: Mapping[str, Any], path: Path) -> Matrix:
             raise check.fail(f"cell {cell.name}", "duplicate cell name (engine-series)")
         seen.add(cell.name)
         cells.append(cell)
+    _check_l1_tests_from(check, cells)
     return Matrix(path=path, schema=schema, index_url=index_url.rstrip("/"), cells=tuple(cells))
+
+
+def _check_l1_tests_from(check: _Checker, cells: list[Cell]) -> None:
+    """A cell borrows L1 test files only where it has no sdist of its own, and only from
+    another cell of its engine that pins one."""
+    by_name = {cell.name: cell for cell in cells}
+    for cell in cells:
+        source = cell.proof.l1_tests_from if cell.proof else None
+        if source is None:
+            continue
+        where = f"cell {cell.name}"
+        if cell.artifact("sdist") is not None:
+            raise check.fail(where, "field 'proof.l1_tests_from' is only for a cell without an "
+                                    "sdist (this one runs its own sdist's tests)")
+        lender = by_name.get(source)
+        if lender is None or lender is cell or lender.engine != cell.engine \
+                or lender.artifact("sdist") is None:
+            raise check.fail(where, f"field 'proof.l1_tests_from' must name another "
+                                    f"{cell.engine} cell that pins an sdist, got {source!r}")
 
 
 def _parse_cell(check: _Checker, table: Mapping[str, Any], position: int) -> Cell:
@@ -392,8 +416,13 @@ def _parse_proof(check: _Checker, table: Mapping[str, Any], where: str, engine: 
             sources[key] = _python_source(check, where, f"proof.kv_manager.{key}", recipe[key],
                                           "{}", mode)
         kv_manager = KVManagerRecipe(**sources)
+    tests_from = table.get("l1_tests_from")
+    if tests_from is not None and not isinstance(tests_from, str):
+        raise check.fail(where, f"field 'proof.l1_tests_from' must be a cell name, "
+                                f"got {tests_from!r}")
     return Proof(torch=torch, l1_tests=tuple(tests), l1_min_passed=floor,
-                 block_pool_args=block_pool_args, kv_manager=kv_manager)
+                 block_pool_args=block_pool_args, kv_manager=kv_manager,
+                 l1_tests_from=tests_from)
 
 
 def _python_source(check: _Checker, where: str, name: str, value: object, template: str,

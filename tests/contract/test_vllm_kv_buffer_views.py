@@ -40,6 +40,7 @@ MRV2_UNPACKED = {"vllm-kv-buffers-mrv2-backends": "mrv2-backends",
 # One model of three layers in one KV cache group, the backend under test, and where a block
 # lies in its layout.
 SETUP = r"""
+import dataclasses
 import importlib
 import inspect
 import math
@@ -55,12 +56,25 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import AttentionGroup
 
-Backend = getattr(importlib.import_module(
-    "vllm.v1.attention.backends." + os.environ["KV_BACKEND_MODULE"]),
-    os.environ["KV_BACKEND_CLASS"])
+# The backend class: the first of the names given that the release's module defines.
+_backend_module = importlib.import_module(
+    "vllm.v1.attention.backends." + os.environ["KV_BACKEND_MODULE"])
+Backend = next(getattr(_backend_module, name)
+               for name in os.environ["KV_BACKEND_CLASS"].split(",")
+               if hasattr(_backend_module, name))
 PAGE = int(os.environ["KVCACHED_PAGE_SIZE"])
 names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
-spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+
+def _made(cls, **known):
+    # A dataclass of this release, given the fields it has (0.10 adds use_mla to the spec and
+    # a metadata builder to AttentionGroup; later releases drop both).
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in known.items() if name in fields})
+
+
+spec = _made(FullAttentionSpec, block_size=16, num_kv_heads=2, head_size=64,
+             dtype=torch.bfloat16, use_mla=False)
 blocks = 32
 config = KVCacheConfig(
     num_blocks=blocks,
@@ -68,7 +82,8 @@ config = KVCacheConfig(
                       for n in names],
     kv_cache_groups=[KVCacheGroupSpec(names, spec)],
 )
-group = AttentionGroup(Backend, names, spec, 0)
+group = _made(AttentionGroup, backend=Backend, layer_names=names, kv_cache_spec=spec,
+              kv_cache_group_id=0, metadata_builder=None)
 shape = Backend.get_kv_cache_shape(1234567, 16, 2, 64)
 block_dim = shape.index(1234567)
 try:
@@ -188,9 +203,10 @@ for which in RUNNERS:
 print("OK")
 """
 
-# name -> (module, class, VLLM_KV_CACHE_LAYOUT): FlashAttention is what the H200 runs.
+# name -> (module, class, VLLM_KV_CACHE_LAYOUT): FlashAttention is what the H200 runs. The CPU
+# backend class is TorchSDPABackend up to 0.11.0, CPUAttentionBackend after.
 BACKENDS = {
-    "cpu-attn": ("cpu_attn", "CPUAttentionBackend", ""),
+    "cpu-attn": ("cpu_attn", "CPUAttentionBackend,TorchSDPABackend", ""),
     "flash-attn-NHD": ("flash_attn", "FlashAttentionBackend", "NHD"),
     "flash-attn-HND": ("flash_attn", "FlashAttentionBackend", "HND"),
 }

