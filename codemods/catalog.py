@@ -92,7 +92,7 @@ CODEMODS: list[CodemodDeclaration] = [
 ]
 
 
-# --- SGLang (cell sglang-0.5, 0.5.23) ---------------------------------------------------------
+# --- SGLang (cells sglang-<major.minor.patch>) ------------------------------------------------
 # Elastic allocators and pools are subclasses appended to their defining modules (so every
 # module importing the name gets them), rebound only with KVCACHED_ENABLE=1.
 #

@@ -24,7 +24,7 @@ from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
 from forge.registry import default_registry
 
 BUILD = BuildContext(
-    cell="sglang-0.5", engine="sglang", package="sglang", upstream_version="0.5.23",
+    cell="sglang-0.5.23", engine="sglang", package="sglang", upstream_version="0.5.23",
     built_version="0.5.23+kvcached.1", base_artifact="sglang.whl", base_sha256="00" * 32,
     transform_ids=(), fingerprint="11" * 32, toolkit_version="0.1.0",
 )
