@@ -15,10 +15,11 @@ from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
-from codemods.sglang.pool_mha import ElasticMHAPool
+from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
 from codemods.sglang.pool_mla import ElasticMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
+from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
 from codemods.vllm import allocate_slots as _vllm_allocate_slots
 from codemods.vllm import block_pool as _vllm_block_pool
 from codemods.vllm import engine_core as _vllm_engine_core
@@ -92,7 +93,7 @@ CODEMODS: list[CodemodDeclaration] = [
 ]
 
 
-# --- SGLang (cell sglang-0.5, 0.5.23) ---------------------------------------------------------
+# --- SGLang (cells sglang-<major.minor.patch>) ------------------------------------------------
 # Elastic allocators and pools are subclasses appended to their defining modules (so every
 # module importing the name gets them), rebound only with KVCACHED_ENABLE=1.
 #
@@ -110,8 +111,17 @@ CODEMODS: list[CodemodDeclaration] = [
 # hold while this engine starts as memory they give back: if neighbours are in a burst at the
 # same time as this engine, the same out-of-memory path is taken until they shrink.
 
-_SGLANG_05 = ">=0.5.23,<0.5.24"
+_SGLANG_CELLS = ">=0.5.20,<0.5.24"
+# K and V of a layer: one fused allocation from 0.5.23, apart before (each variant also checks
+# the release's source for its layout, codemods/sglang/_kv_layout.py).
+_SGLANG_FUSED_KV = ">=0.5.23,<0.5.24"
+_SGLANG_SEPARATE_KV = ">=0.5.20,<0.5.23"
+# The pre-load free-memory read: its own function from 0.5.21, inside init_torch_distributed
+# before.
+_SGLANG_PRE_LOAD_MEASURE = ">=0.5.21,<0.5.24"
+_SGLANG_PRE_LOAD_AT_INIT = ">=0.5.20,<0.5.21"
 _SGLANG_DATE = "2026-11-30"
+_SGLANG_LAYOUT_DATE = "2026-12-02"
 _SGLANG_STARTUP_DATE = "2026-12-01"
 
 CODEMODS += [
@@ -119,7 +129,7 @@ CODEMODS += [
         id="sglang-token-allocator",
         seam="token-allocator",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_CELLS,
         anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator",
         targets=("{package}/srt/mem_cache/allocator/token.py",),
         expected_hits=1,
@@ -136,7 +146,7 @@ CODEMODS += [
         id="sglang-paged-allocator",
         seam="paged-allocator",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_CELLS,
         anchor="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator",
         targets=("{package}/srt/mem_cache/allocator/paged.py",),
         expected_hits=1,
@@ -153,8 +163,9 @@ CODEMODS += [
         id="sglang-mha-pool",
         seam="mha-pool",
         engine="sglang",
-        versions=_SGLANG_05,
-        anchor="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
+        versions=_SGLANG_FUSED_KV,
+        anchor="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal "
+               "(K and V fused)",
         targets=("{package}/srt/mem_cache/memory_pool.py",),
         expected_hits=1,
         why="The fused per-layer (2, rows, H, D) K/V buffers of 0.5.23 must be views of "
@@ -164,13 +175,31 @@ CODEMODS += [
                     "get_kv_pool_cls('mha') covers every MHA construction site.",
         codemod=ElasticMHAPool,
         forwarded="no",
-        last_update=_SGLANG_DATE,
+        last_update=_SGLANG_LAYOUT_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-mha-pool-separate-kv",
+        seam="mha-pool",
+        engine="sglang",
+        versions=_SGLANG_SEPARATE_KV,
+        anchor="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal "
+               "(K and V allocated apart)",
+        targets=("{package}/srt/mem_cache/memory_pool.py",),
+        expected_hits=1,
+        why="Up to 0.5.22 the pool allocates each layer's K and V buffers apart, (rows, H, D) "
+            "each; they must be views of VMM-backed tensors with those shapes and strides, "
+            "each a tensor of its own as in the release, data pointers fixed for the pool's "
+            "life; quantized, HND and post-capture layouts are refused.",
+        retire_when="The oldest SGLang cell fuses K and V (0.5.23 or later).",
+        codemod=ElasticMHASeparateKVPool,
+        forwarded="no",
+        last_update=_SGLANG_LAYOUT_DATE,
     ),
     CodemodDeclaration(
         id="sglang-mla-pool",
         seam="mla-pool",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_CELLS,
         anchor="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool._create_buffers",
         targets=("{package}/srt/mem_cache/memory_pool.py",),
         expected_hits=1,
@@ -185,7 +214,7 @@ CODEMODS += [
         id="sglang-kv-budget",
         seam="capacity",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_CELLS,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
                "._profile_available_bytes (each return)",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
@@ -203,7 +232,7 @@ CODEMODS += [
         id="sglang-startup-free-memory",
         seam="startup-free-memory",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_PRE_LOAD_MEASURE,
         anchor="sglang.srt.distributed.bootstrap.measure_pre_model_load_memory: "
                "get_available_gpu_memory(..., distributed=..., cpu_group=...)",
         targets=("{package}/srt/distributed/bootstrap.py",),
@@ -219,10 +248,26 @@ CODEMODS += [
         last_update=_SGLANG_STARTUP_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-startup-free-memory-at-init",
+        seam="startup-free-memory",
+        engine="sglang",
+        versions=_SGLANG_PRE_LOAD_AT_INIT,
+        anchor="sglang.srt.distributed.bootstrap.init_torch_distributed: "
+               "get_available_gpu_memory(..., distributed=..., cpu_group=...)",
+        targets=("{package}/srt/distributed/bootstrap.py",),
+        expected_hits=1,
+        why="The same pre-load figure as sglang-startup-free-memory, read where 0.5.20 reads "
+            "it (0.5.21 moved it to measure_pre_model_load_memory).",
+        retire_when="The oldest SGLang cell reads it in measure_pre_model_load_memory.",
+        codemod=ElasticPreModelLoadMemoryAtInit,
+        forwarded="no",
+        last_update=_SGLANG_LAYOUT_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-kv-profile-free-memory",
         seam="kv-profile-free-memory",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_CELLS,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
                "._profile_available_bytes: get_available_gpu_memory(..., distributed=...)",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
@@ -241,7 +286,7 @@ CODEMODS += [
         id="sglang-refuse-unsupported",
         seam="config-guard",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_CELLS,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
         expected_hits=1,
@@ -257,7 +302,7 @@ CODEMODS += [
         id="sglang-prefix-cache-bound",
         seam="prefix-cache-bound",
         engine="sglang",
-        versions=_SGLANG_05,
+        versions=_SGLANG_CELLS,
         anchor="sglang.srt.mem_cache.common.release_kv_cache",
         targets=("{package}/srt/mem_cache/common.py",),
         expected_hits=1,

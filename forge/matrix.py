@@ -34,7 +34,11 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 _ENGINE = re.compile(r"[a-z][a-z0-9_]*")
 _SERIES = re.compile(r"\d+(\.\d+)*")
 
-_TOP_FIELDS = {"schema", "index_url", "cell"}
+_TOP_FIELDS = {"schema", "index_url", "engine", "cell"}
+_ENGINE_FIELDS = {"series_parts"}
+#: Version parts of a series (the cell name's suffix) for an engine without an [engine.<name>]
+#: table: major.minor.
+DEFAULT_SERIES_PARTS = 2
 _CELL_FIELDS = {
     "engine", "series", "version", "build", "python", "torch", "status", "reason",
     "verified", "test_pins", "artifact", "proof", "proven",
@@ -156,16 +160,34 @@ class Cell:
         return next((a for a in self.artifacts if a.role == role), None)
 
 
+def series_of(version: str, parts: int) -> str:
+    """The first ``parts`` release numbers of ``version`` (``0.5.23.post1``, 3: ``0.5.23``)."""
+    release = Version(version).release
+    release = release + (0,) * (parts - len(release))
+    return ".".join(str(number) for number in release[:parts])
+
+
 @dataclass(frozen=True)
 class Matrix:
     path: Path
     schema: int
     index_url: str
     cells: tuple[Cell, ...]
+    #: Per engine, how many version parts its series (and so its cell names) have: from the
+    #: matrix's [engine.<name>] tables, DEFAULT_SERIES_PARTS for an engine without one.
+    series_parts: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def cell_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.cells)
+
+    def series_parts_of(self, engine: str) -> int:
+        return self.series_parts.get(engine, DEFAULT_SERIES_PARTS)
+
+    def series_for(self, engine: str, version: str) -> str:
+        """The series (cell name suffix) a release of ``engine`` gets: the declared number of
+        its version parts, whatever cells the matrix already holds."""
+        return series_of(version, self.series_parts_of(engine))
 
     def get_cell(self, name: str) -> Cell:
         for cell in self.cells:
@@ -232,6 +254,7 @@ def parse_matrix(raw: Mapping[str, Any], path: Path) -> Matrix:
     if not index_url.startswith(("http://", "https://")):
         raise check.fail("top level",
                          f"field 'index_url' must be an http(s) URL, got {index_url!r}")
+    series_parts = _parse_engines(check, raw)
     tables = check.typed(raw, "cell", list, "top level")
     cells: list[Cell] = []
     seen: set[str] = set()
@@ -239,12 +262,40 @@ def parse_matrix(raw: Mapping[str, Any], path: Path) -> Matrix:
         if not isinstance(table, dict):
             raise check.fail(f"cell #{position}", "must be a table")
         cell = _parse_cell(check, table, position)
+        parts = series_parts.get(cell.engine, DEFAULT_SERIES_PARTS)
+        if len(cell.series.split(".")) != parts:
+            declared = (f"[engine.{cell.engine}] series_parts = {parts}"
+                        if cell.engine in series_parts else f"the default for an engine "
+                        f"without an [engine.{cell.engine}] table is {parts}")
+            raise check.fail(
+                f"cell {cell.name}",
+                f"field 'series' {cell.series!r} must have {parts} version parts "
+                f"({declared}): {series_of(cell.version, parts)!r} for {cell.version}")
         if cell.name in seen:
             raise check.fail(f"cell {cell.name}", "duplicate cell name (engine-series)")
         seen.add(cell.name)
         cells.append(cell)
     _check_l1_tests_from(check, cells)
-    return Matrix(path=path, schema=schema, index_url=index_url.rstrip("/"), cells=tuple(cells))
+    return Matrix(path=path, schema=schema, index_url=index_url.rstrip("/"), cells=tuple(cells),
+                  series_parts=series_parts)
+
+
+def _parse_engines(check: _Checker, raw: Mapping[str, Any]) -> dict[str, int]:
+    """The [engine.<name>] tables: per engine, the number of version parts of its series."""
+    engines = check.typed(raw, "engine", dict, "top level", required=False) or {}
+    parts: dict[str, int] = {}
+    for name, table in engines.items():
+        where = f"engine {name}"
+        if not _ENGINE.fullmatch(name):
+            raise check.fail(where, f"engine name must be a lower-case name, got {name!r}")
+        if not isinstance(table, dict):
+            raise check.fail(where, "must be a table")
+        check.no_unknown(table, _ENGINE_FIELDS, where)
+        count = check.typed(table, "series_parts", int, where)
+        if not 1 <= count <= 3:
+            raise check.fail(where, f"field 'series_parts' must be 1, 2 or 3, got {count}")
+        parts[name] = count
+    return parts
 
 
 def _check_l1_tests_from(check: _Checker, cells: list[Cell]) -> None:

@@ -652,12 +652,9 @@ def _cell_text(text: str) -> str:
 
 
 def _series_for(matrix: Matrix, engine: str, version: str) -> str:
-    """major.minor like every cell; the full version when a cell already holds that series."""
-    release = Version(version).release
-    series = ".".join(str(part) for part in release[:2])
-    if any(c.engine == engine and c.series == series for c in matrix.cells):
-        return version
-    return series
+    """As many version parts as the matrix declares for the engine ([engine.<name>]
+    series_parts): the same release always gets the same cell name."""
+    return matrix.series_for(engine, version)
 
 
 def _reviewed_diffs(registry: Registry, cell: Cell) -> dict[str, str]:
@@ -760,6 +757,8 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
     existing = next((c for c in matrix.cells
                      if c.engine == engine and Version(c.version) == Version(release.version)),
                     None)
+    # One cell per series: another release of a series that is a cell moves that cell.
+    series_cell = next((c for c in matrix.cells if c.name == cell_name), None)
     if unresolved:
         verdict = f"seams without exactly one working variant: {', '.join(unresolved)}"
     elif conflicts:
@@ -767,6 +766,12 @@ def run_upgrade_check(*, matrix: Matrix, registry: Registry, engine: str, reques
     elif existing is not None:
         verdict = (f"every required seam has one working variant; {engine} {release.version} "
                    f"is already cell {existing.name}, so no cell is proposed")
+    elif series_cell is not None:
+        existing = series_cell
+        verdict = (f"every required seam has one working variant; series {series} is already "
+                   f"cell {cell_name} ({series_cell.version}), so no cell is proposed: move "
+                   f"that cell to {release.version}, or declare more series parts for "
+                   f"{engine} ([engine.{engine}] series_parts)")
     else:
         verdict = (f"every required seam has one working variant "
                    f"({len(chosen_ids)} transforms); the cell is experimental until reviewed")

@@ -269,3 +269,60 @@ def test_invalid_toml_is_one_line(tmp_path: Path) -> None:
 def test_missing_matrix_file(tmp_path: Path) -> None:
     with pytest.raises(MatrixError, match="no such matrix file"):
         load_matrix(tmp_path / "absent.toml")
+
+
+# --- series parts per engine -------------------------------------------------------------------
+
+SGLANG_CELL = f"""
+[[cell]]
+engine = "sglang"
+series = "0.5.22"
+version = "0.5.22"
+build = 1
+python = ">=3.11"
+torch = "2.14.1"
+status = "experimental"
+reason = "not yet proven"
+
+[[cell.artifact]]
+role = "wheel"
+filename = "sglang-0.5.22-cp311-cp311-manylinux_2_34_x86_64.whl"
+sha256 = "{SHA}"
+"""
+ENGINES = "\n[engine.vllm]\nseries_parts = 2\n\n[engine.sglang]\nseries_parts = 3\n"
+
+
+def with_engines(engines: str, cells: str = "") -> str:
+    head, first_cell = GOOD.split("[[cell]]", 1)
+    return head + engines + "\n[[cell]]" + first_cell + cells
+
+
+def test_each_engine_names_its_cells_by_its_declared_series_parts(tmp_path: Path) -> None:
+    matrix = load_matrix(write(tmp_path, with_engines(ENGINES, SGLANG_CELL)))
+    assert matrix.cell_names == ("vllm-0.9", "sglang-0.5.22")
+    assert matrix.series_for("sglang", "0.5.21") == "0.5.21"
+    assert matrix.series_for("sglang", "0.4.10.post2") == "0.4.10"
+    assert matrix.series_for("vllm", "0.33.1") == "0.33"
+    # An engine without a table: major.minor.
+    assert matrix.series_for("tgi", "3.1.4") == "3.1"
+
+
+@pytest.mark.parametrize(("engines", "cells", "message"), [
+    (ENGINES, SGLANG_CELL.replace('series = "0.5.22"', 'series = "0.5"'),
+     "matrix.toml: cell sglang-0.5: field 'series' '0.5' must have 3 version parts "
+     "([engine.sglang] series_parts = 3): '0.5.22' for 0.5.22"),
+    ("", SGLANG_CELL,
+     "matrix.toml: cell sglang-0.5.22: field 'series' '0.5.22' must have 2 version parts "
+     "(the default for an engine without an [engine.sglang] table is 2): '0.5' for 0.5.22"),
+    (ENGINES.replace("series_parts = 3", "series_parts = 4"), "",
+     "matrix.toml: engine sglang: field 'series_parts' must be 1, 2 or 3, got 4"),
+    (ENGINES.replace("series_parts = 3", 'series_parts = "3"'), "",
+     "matrix.toml: engine sglang: field 'series_parts' must be an integer, got '3'"),
+    (ENGINES.replace("series_parts = 3", "parts = 3"), "",
+     "matrix.toml: engine sglang: unknown field 'parts' (allowed: series_parts)"),
+])
+def test_a_series_with_other_than_the_declared_parts_is_one_line(
+        tmp_path: Path, engines: str, cells: str, message: str) -> None:
+    with pytest.raises(MatrixError) as caught:
+        load_matrix(write(tmp_path, with_engines(engines, cells)))
+    assert str(caught.value) == message

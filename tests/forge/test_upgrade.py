@@ -623,3 +623,24 @@ def test_a_proof_command_appends_its_output_to_the_log_and_reports_its_summary(
                         "    1 failed, 3 passed in 0.50s"]
     text = log.read_text(encoding="utf-8")
     assert text.startswith("earlier\n$ ") and text.endswith("[exit status 1]\n\n")
+
+
+def test_a_release_is_named_by_its_engines_series_parts_whatever_cells_exist(
+        tmp_path: Path) -> None:
+    from forge.upgrade import _series_for
+
+    sglang_cell = MATRIX.replace('engine = "vllm"', 'engine = "sglang"').replace(
+        'series = "0.32"\nversion = "0.32.0"', 'series = "0.5.23"\nversion = "0.5.23"')
+    text = sglang_cell.replace('index_url = "https://pypi.org/simple"\n',
+                               'index_url = "https://pypi.org/simple"\n\n'
+                               '[engine.sglang]\nseries_parts = 3\n')
+    path = tmp_path / "matrix.toml"
+    path.write_text(text.format(wheel="sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl",
+                                sha256="0" * 64), encoding="utf-8")
+    matrix = load_matrix(path)
+    # Before and after the existing cell alike: the release's own three parts.
+    assert _series_for(matrix, "sglang", "0.5.22") == "0.5.22"
+    assert _series_for(matrix, "sglang", "0.5.24") == "0.5.24"
+    assert _series_for(matrix, "sglang", "0.4.10.post2") == "0.4.10"
+    # vLLM declares no table here: major.minor, never the full version.
+    assert _series_for(matrix, "vllm", "0.32.1") == "0.32"

@@ -152,7 +152,7 @@ def test_the_scan_step_turns_the_scan_into_one_check_per_new_release(tmp_path: P
     scan_step = yaml.safe_load((REPO / UPGRADE).read_text())["jobs"]["scan"]["steps"][-1]
     script = scan_step["run"].replace("nox -s upgrade-scan -- --json > scan.json\n", "")
     (tmp_path / "scan.json").write_text(json.dumps([
-        {"engine": "sglang", "newest_cell": "sglang-0.5", "newest_cell_version": "0.5.23",
+        {"engine": "sglang", "newest_cell": "sglang-0.5.23", "newest_cell_version": "0.5.23",
          "newer": []},
         {"engine": "vllm", "newest_cell": "vllm-0.32", "newest_cell_version": "0.32.0",
          "newer": ["0.33.0", "0.33.1"]},

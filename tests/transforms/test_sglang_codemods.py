@@ -18,13 +18,15 @@ from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
-from codemods.sglang.pool_mha import ElasticMHAPool
+from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
 from codemods.sglang.pool_mla import ElasticMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
+from codemods.sglang.startup_memory import ElasticPreModelLoadMemory
+from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
 from forge.registry import default_registry
 
 BUILD = BuildContext(
-    cell="sglang-0.5", engine="sglang", package="sglang", upstream_version="0.5.23",
+    cell="sglang-0.5.23", engine="sglang", package="sglang", upstream_version="0.5.23",
     built_version="0.5.23+kvcached.1", base_artifact="sglang.whl", base_sha256="00" * 32,
     transform_ids=(), fingerprint="11" * 32, toolkit_version="0.1.0",
 )
@@ -73,6 +75,14 @@ def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> N
     (ElasticTokenAllocator, "from x import TokenToKVPoolAllocator\n"),
     (ElasticPagedAllocator, TOKEN.replace("TokenToKV", "PagedTokenToKV")),
     (ElasticMHAPool, "class MHATokenToKVPool:\n    def _create_buffers(self): ...\n"),
+    # each MHA variant refuses the other's K/V layout
+    (ElasticMHAPool, fixture("sglang-mha-pool-separate-kv")),
+    (ElasticMHASeparateKVPool, fixture("sglang-mha-pool")),
+    # 0.5.21's variant of the pre-load read finds no measure_pre_model_load_memory in 0.5.20
+    (ElasticPreModelLoadMemory, fixture("sglang-startup-free-memory-at-init")),
+    # a layout neither variant knows (V no longer a per-layer list)
+    (ElasticMHAPool, fixture("sglang-mha-pool").replace(
+        "self.v_buffer = [buf[1, :rows] for buf in fused]", "self.v_buffer = fused")),
     (ElasticMLAPool, "class MLATokenToKVPool:\n    def __init__(self): ...\n"),
 ])
 def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCodemod],
@@ -84,12 +94,14 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
 
 @pytest.mark.parametrize(("codemod", "transform_id"), [
     (ElasticMHAPool, "sglang-mha-pool"),
+    (ElasticMHASeparateKVPool, "sglang-mha-pool-separate-kv"),
     # the MLA pool is rewritten, the MHA pool in the same module is not
     (ElasticMLAPool, "sglang-mla-pool"),
     (ElasticPagedAllocator, "sglang-paged-allocator"),
     (KVBudgetCapacity, "sglang-kv-budget"),
     (RefuseUnsupportedAtConfigure, "sglang-refuse-unsupported"),
     (BoundPrefixCacheOnRelease, "sglang-prefix-cache-bound"),
+    (ElasticPreModelLoadMemoryAtInit, "sglang-startup-free-memory-at-init"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
                                             transform_id: str) -> None:
@@ -100,6 +112,7 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
     """The fixtures' classes carry the full anchor the codemods check for."""
     for codemod, transform_id, cls in [
             (ElasticMHAPool, "sglang-mha-pool", "MHATokenToKVPool"),
+            (ElasticMHASeparateKVPool, "sglang-mha-pool-separate-kv", "MHATokenToKVPool"),
             (ElasticMLAPool, "sglang-mla-pool", "MLATokenToKVPool"),
             (ElasticPagedAllocator, "sglang-paged-allocator", "PagedTokenToKVPoolAllocator")]:
         body = fixture(transform_id).split(f"class {cls}", 1)[1].split("\nclass ", 1)[0]
@@ -112,15 +125,25 @@ def test_prefix_bound_needs_release_kv_cache() -> None:
     assert (missing.hits, code) == (0, "def release(req):\n    pass\n")
 
 
-def test_every_sglang_transform_is_registered_for_0_5_23_only() -> None:
+def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -> None:
     sglang = {t.id: t for t in CODEMODS if t.engine == "sglang"}
+    pools = {"sglang-mha-pool", "sglang-mha-pool-separate-kv"}
+    pre_load = {"sglang-startup-free-memory", "sglang-startup-free-memory-at-init"}
     assert set(sglang) == {
-        "sglang-token-allocator", "sglang-paged-allocator", "sglang-mha-pool",
-        "sglang-mla-pool", "sglang-kv-budget", "sglang-refuse-unsupported",
-        "sglang-prefix-cache-bound", "sglang-startup-free-memory",
-        "sglang-kv-profile-free-memory",
+        "sglang-token-allocator", "sglang-paged-allocator", "sglang-mla-pool",
+        "sglang-kv-budget", "sglang-refuse-unsupported", "sglang-prefix-cache-bound",
+        "sglang-kv-profile-free-memory", *pools, *pre_load,
     }
+    variants = {
+        "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory"},
+        "0.5.22": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory"},
+        "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory"},
+        "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init"},
+    }
+    for version, chosen in variants.items():
+        applying = {t.id for t in sglang.values() if t.applies_to("sglang", version)}
+        assert applying == (set(sglang) - pools - pre_load) | chosen, version
     for transform in sglang.values():
-        assert transform.applies_to("sglang", "0.5.23")
-        assert not transform.applies_to("sglang", "0.5.22")
+        assert not transform.applies_to("sglang", "0.5.19")
+        assert not transform.applies_to("sglang", "0.5.24")
         assert not transform.applies_to("vllm", "0.5.23")

@@ -16,7 +16,7 @@ from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 
 BUILD = BuildContext(
-    cell="sglang-0.5", engine="sglang", package="sglang", upstream_version="0.5.23",
+    cell="sglang-0.5.23", engine="sglang", package="sglang", upstream_version="0.5.23",
     built_version="0.5.23+kvcached.1", base_artifact="sglang.whl", base_sha256="00" * 32,
     transform_ids=(), fingerprint="11" * 32, toolkit_version="0.1.0",
 )

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.integration.sglang.pools import kvcached_pool_of, refuse_unless_leaf
+from kvcached_core.integration.sglang.prefix_cache import shares_prefixes
 
 if TYPE_CHECKING:
     import torch
@@ -187,7 +188,7 @@ class _ElasticAllocatorCommon:
         """SGLang's eviction before an allocation, then more until `num_tokens` are
         allocatable under the physical limit (evicting frees pages the limit counts)."""
         result = super().evict_to_free_tokens(tree_cache, num_tokens)  # type: ignore[misc]
-        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+        if not shares_prefixes(tree_cache):
             return result
         shortfall = num_tokens - self.kvcached_allocatable_size()
         if shortfall > 0 and tree_cache.evictable_size() > 0:

@@ -147,20 +147,45 @@ class ElasticMHAPoolMixin:
             kind="mha", device=str(pool.device), num_layers=pool.layer_num, num_buffers=2,
             page_tokens=pool.page_size, token_bytes=row_elems * store_dtype.itemsize, rows=rows,
         )
-        # SGLang 0.5.23 stores K and V of a layer as the halves of one (2, rows, H, D)
-        # allocation; the halves here are the pool's two buffer regions of that layer.
+        pool.kvcached_pool = kv_pool
+        pool.k_buffer, pool.v_buffer = self._kvcached_kv_views(kv_pool, region_rows, k_shape)
+
+    def _kvcached_kv_views(self, kv_pool: KVPool, region_rows: int, shape: tuple[int, ...]
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, K and V as SGLang 0.5.23 lays them out: the halves of one
+        (2, rows, H, D) allocation; here the halves are the layer's two buffer regions."""
+        store_dtype: torch.dtype = self.store_dtype  # type: ignore[attr-defined]
+        row_elems = shape[1] * shape[2]
         fused = [
-            as_tensor(tensor, store_dtype, (2, region_rows, *k_shape[1:]),
-                      strides=(region_rows * row_elems, row_elems, k_shape[2], 1))
+            as_tensor(tensor, store_dtype, (2, region_rows, *shape[1:]),
+                      strides=(region_rows * row_elems, row_elems, shape[2], 1))
             for tensor in kv_pool.tensors
         ]
-        pool.kvcached_pool = kv_pool
-        pool.k_buffer = [buffer[0, :rows] for buffer in fused]
-        pool.v_buffer = [buffer[1, :rows] for buffer in fused]
+        rows = shape[0]
+        return [buffer[0, :rows] for buffer in fused], [buffer[1, :rows] for buffer in fused]
 
     def _clear_buffers(self) -> None:
         super()._clear_buffers()  # type: ignore[misc]
         close_kv_pool(self)
+
+
+class ElasticMHASeparateKVPoolMixin(ElasticMHAPoolMixin):
+    """MHATokenToKVPool of a release that allocates K and V of a layer separately (up to
+    0.5.22): each buffer is a tensor of its own over one of the layer's two regions."""
+
+    def _kvcached_kv_views(self, kv_pool: KVPool, region_rows: int, shape: tuple[int, ...]
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        store_dtype: torch.dtype = self.store_dtype  # type: ignore[attr-defined]
+        row_elems = shape[1] * shape[2]
+        strides = (row_elems, shape[2], 1)
+        region_bytes = region_rows * row_elems * store_dtype.itemsize
+        rows = shape[0]
+        keys, values = [], []
+        for tensor in kv_pool.tensors:
+            keys.append(as_tensor(tensor, store_dtype, (rows, *shape[1:]), strides=strides))
+            values.append(as_tensor(tensor, store_dtype, (rows, *shape[1:]), strides=strides,
+                                    offset=region_bytes))
+        return keys, values
 
 
 class ElasticMLAPoolMixin:

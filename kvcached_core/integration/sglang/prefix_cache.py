@@ -13,10 +13,22 @@ from typing import Any
 from kvcached_core.integration.sglang.switch import sglang_settings
 
 
+def shares_prefixes(tree_cache: Any) -> bool:
+    """Whether the tree keeps finished requests' prefixes (so evicting frees pages).
+
+    SGLang asks the tree with `supports_prefix_sharing()` from 0.5.22; before, the one tree
+    that keeps nothing is the chunk cache (`is_chunk_cache()`).
+    """
+    if tree_cache is None:
+        return False
+    asks = getattr(tree_cache, "supports_prefix_sharing", None)
+    return bool(asks()) if asks is not None else not tree_cache.is_chunk_cache()
+
+
 def bound_prefix_cache(tree_cache: Any) -> int:
     """Evict the tree's least recently used entries above the bound; returns tokens evicted."""
     limit = sglang_settings().max_cached_tokens
-    if limit < 0 or tree_cache is None or not tree_cache.supports_prefix_sharing():
+    if limit < 0 or not shares_prefixes(tree_cache):
         return 0
     excess = int(tree_cache.evictable_size()) - limit
     if excess <= 0:

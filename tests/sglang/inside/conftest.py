@@ -17,20 +17,22 @@ LAYERS, HEADS, DIM = 2, 2, 16
 TOKENS_PER_PAGE = 4096 // (HEADS * DIM * 2)
 
 
-def make_mha_pool(size: int, page_size: int = 1) -> object:
+def make_mha_pool(size: int, page_size: int = 1, cls: type | None = None) -> object:
+    """An MHA pool (the elastic class unless ``cls`` names another)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    return MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
-                            head_num=HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
-                            enable_memory_saver=False)
+    return (cls or MHATokenToKVPool)(
+        size=size, page_size=page_size, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM,
+        layer_num=LAYERS, device="cpu", enable_memory_saver=False)
 
 
-def make_mla_pool(size: int, page_size: int = 1) -> object:
+def make_mla_pool(size: int, page_size: int = 1, cls: type | None = None) -> object:
+    """An MLA pool (the elastic class unless ``cls`` names another)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    return MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
-                            kv_lora_rank=16, qk_rope_head_dim=16, layer_num=LAYERS,
-                            device="cpu", enable_memory_saver=False)
+    return (cls or MLATokenToKVPool)(
+        size=size, page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=16,
+        qk_rope_head_dim=16, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
 
 
 @pytest.fixture

@@ -9,19 +9,47 @@ from conftest import DIM, HEADS, LAYERS, make_mha_pool, make_mla_pool
 from kvcached_core.errors import KVCachedConfigError
 
 
-def test_mha_buffers_keep_the_stock_fused_layout() -> None:
+def releases_own(elastic: type) -> type:
+    """The release's own class the build subclassed (the elastic class's last base)."""
+    stock = elastic.__bases__[-1]
+    assert stock.__name__ == elastic.__name__.removeprefix("Elastic"), elastic.__bases__
+    return stock
+
+
+def kv_layout(pool: object) -> list[dict[str, object]]:
+    """Per layer: K's and V's shape, strides and dtype, whether they share one allocation,
+    and whether V then starts a whole number of pages past K's rows."""
+    layers = []
+    for k, v in zip(pool.k_buffer, pool.v_buffer, strict=True):
+        fused = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        row_bytes = k.stride(0) * k.element_size()
+        delta = v.data_ptr() - k.data_ptr()
+        layers.append({
+            "k": (tuple(k.shape), k.stride(), k.dtype),
+            "v": (tuple(v.shape), v.stride(), v.dtype),
+            "fused": fused,
+            "v_whole_pages_past_k": fused and delta >= k.shape[0] * row_bytes
+            and delta % (row_bytes * pool.page_size) == 0,
+        })
+    return layers
+
+
+@pytest.mark.parametrize(("size", "page_size"), [(1023, 1), (1020, 4)])
+def test_mha_buffers_keep_the_releases_own_layout(size: int, page_size: int) -> None:
     from sglang.srt.mem_cache.memory_pool import ElasticMHATokenToKVPool, MHATokenToKVPool
 
     assert MHATokenToKVPool is ElasticMHATokenToKVPool
-    pool = make_mha_pool(1023)
+    pool = make_mha_pool(size, page_size)
+    # The same pool built by the release's own code: fused (2, rows, H, D) per layer from
+    # 0.5.23, K and V allocated apart before; the elastic buffers must match either way.
+    stock = make_mha_pool(size, page_size, cls=releases_own(ElasticMHATokenToKVPool))
+    assert not hasattr(stock, "kvcached_pool") or stock.kvcached_pool is None
+    assert kv_layout(pool) == kv_layout(stock)
     assert len(pool.k_buffer) == len(pool.v_buffer) == LAYERS
     for k, v in zip(pool.k_buffer, pool.v_buffer, strict=True):
-        assert k.shape == v.shape == (1024, HEADS, DIM)
+        assert k.shape == v.shape == (size + page_size, HEADS, DIM)
         assert k.stride() == v.stride() == (HEADS * DIM, DIM, 1)
         assert k.dtype == torch.bfloat16
-        # V is the second half of the same per-layer allocation, a whole number of rows on.
-        delta = v.data_ptr() - k.data_ptr()
-        assert delta > 0 and delta % (k.stride(0) * k.element_size()) == 0
     assert pool.k_data_ptrs.tolist() == [k.data_ptr() for k in pool.k_buffer]
     assert pool.v_data_ptrs.tolist() == [v.data_ptr() for v in pool.v_buffer]
 
@@ -48,7 +76,12 @@ def test_mha_set_and_get_through_sglang() -> None:
 
 
 def test_mla_buffers_keep_the_stock_shape() -> None:
+    from sglang.srt.mem_cache.memory_pool import ElasticMLATokenToKVPool
+
     pool = make_mla_pool(1023)
+    stock = make_mla_pool(1023, cls=releases_own(ElasticMLATokenToKVPool))
+    assert [(b.shape, b.stride(), b.dtype) for b in pool.kv_buffer] == \
+        [(b.shape, b.stride(), b.dtype) for b in stock.kv_buffer]
     for buffer in pool.kv_buffer:
         assert buffer.shape == (1024, 1, 32) and buffer.stride() == (32, 32, 1)
     assert pool.data_ptrs.tolist() == [b.data_ptr() for b in pool.kv_buffer]
