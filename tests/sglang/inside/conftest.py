@@ -55,3 +55,18 @@ def paged_setup() -> tuple[object, object]:
 
 def mapped_pages(pool: object) -> int:
     return pool.kvcached_pool.mapped_pages
+
+
+# ---------------------------------------------------------------- a physical limit at run time
+# The paged pool: 1020 slots, 4 a page, 16 SGLang pages a 4K kvcached page (2 layers, K and V);
+# SGLang page 0 is the padding page. A limit of one kvcached page leaves 15 pages: 60 slots.
+
+LIMITED_SLOTS = 15 * 4
+
+
+def paged_tree(allocator: object) -> object:
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    return RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
+                                      token_to_kv_pool_allocator=allocator, page_size=4))

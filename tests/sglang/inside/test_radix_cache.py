@@ -36,7 +36,10 @@ def match(tree: object, tokens: list[int]) -> int:
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     result = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
-    return int(result.device_prefix_len)
+    # The matched length is a field from 0.5.22; before, the matched slots are all there is.
+    if hasattr(result, "device_prefix_len"):
+        return int(result.device_prefix_len)
+    return len(result.device_indices)
 
 
 def test_insert_match_and_evict_free_through_the_ledger() -> None:
