@@ -110,6 +110,29 @@ def test_an_elastic_scheduler_without_vmm_backed_kv_buffers_refuses_to_start(
     assert len(block_pool.get_new_blocks(3)) == 3
 
 
+class StandInLIFOBlockPool(StandInBlockPool):
+    """vLLM 0.23's free_blocks: `prepend` puts the freed blocks at the front for reuse."""
+
+    def free_blocks(self, ordered_blocks: Iterable[_Block], prepend: bool = False) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        if prepend:
+            freed = [b for b in blocks if b.ref_cnt == 0]
+            queued = self.free_block_queue._blocks
+            for block in freed:
+                queued.remove(block)
+            queued.extendleft(reversed(freed))
+
+
+def test_the_release_s_own_free_options_reach_its_block_pool(engine_env: None) -> None:
+    _register_pool()
+    block_pool: Any = make_block_pool(StandInLIFOBlockPool, NUM_BLOCKS)
+    blocks = block_pool.get_new_blocks(5)
+    block_pool.free_blocks(blocks[2:4], prepend=True)
+    # The freed blocks are handed out first again.
+    assert [b.block_id for b in block_pool.get_new_blocks(2)] == [3, 4]
+
+
 def test_a_pool_backs_one_block_pool_only(engine_env: None) -> None:
     _register_pool()
     make_block_pool(StandInBlockPool, NUM_BLOCKS)

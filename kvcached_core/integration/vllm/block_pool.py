@@ -218,9 +218,11 @@ class ElasticBlockPoolMixin:
                 self._kv.pool.free(pages)
                 raise
 
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        # The release's own options pass through (0.23's `prepend`, LIFO reuse of blocks
+        # without a hash).
         blocks = list(ordered_blocks)
-        super().free_blocks(blocks)  # type: ignore[misc]
+        super().free_blocks(blocks, *args, **kwargs)  # type: ignore[misc]
         k = self._kv_k
         pages = {block.block_id // k for block in blocks}
         self._kv_dirty.update(pages)
