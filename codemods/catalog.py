@@ -568,7 +568,10 @@ CODEMODS += [
     # end of its profile on one device. The snapshot is `self.init_snapshot = MemorySnapshot()`
     # up to 0.13 and `self.init_snapshot = init_snapshot = MemorySnapshot(device=self.device)`
     # from 0.14, in Worker.init_device after self.device is set, in every release; the same
-    # codemod matches both shapes.
+    # codemod matches both shapes. The window ends when determine_available_memory returns (any
+    # path: kv_cache_memory_bytes skips the profile) or initialize_from_config does, not when
+    # the first KV buffer is created: from 0.18 profile_cudagraph_memory allocates a minimal KV
+    # cache inside the profile, before its figures are final.
     CodemodDeclaration(
         id="vllm-startup-window",
         seam="startup-window",
