@@ -248,3 +248,15 @@ def test_wrapped_snapshot_builds_the_original_snapshot_once(
         assert holds_startup_window("cuda-3") == (enabled == "1")
     finally:
         release_startup_windows()
+
+
+def test_window_and_profile_check_share_the_worker_module_and_its_import() -> None:
+    """Both rewrite 0.32's gpu_worker.py: the profile assertion of the windowed worker still
+    goes through the adapter, and the module imports the adapter once."""
+    _, _, code = run(StartupWindowAroundSnapshot, (WINDOW_FIXTURES / "before.py").read_text())
+    hits, _, code = run(ElasticMemoryProfileCheck, code)
+    assert hits == 1
+    assert code.count("import kvcached_core.integration.vllm as _kvcached_vllm\n") == 1
+    assert "_kvcached_vllm.memory_profile_consistent(init_free_memory, free_gpu_memory, " \
+           "strict=False)" in code
+    assert "@_kvcached_vllm.ends_startup_window\n    def determine_available_memory" in code
