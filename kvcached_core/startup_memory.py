@@ -191,7 +191,7 @@ def acquire_startup_window(
                          device)
             return StartupWindow(device, path, held=True, waited_s=0.0)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_lock_file(path)
     except OSError as exc:
         logger.warning("kvcached: cannot open the start-up window of %s (%s: %s); starting "
                        "without it, so this engine's memory figures may include a "
@@ -225,14 +225,24 @@ def acquire_startup_window(
         poll = min(poll * 2, _LONGEST_POLL_S)
     waited = time.monotonic() - started
     # Who holds it, for the waiting line of the next engine (read without the lock: a torn
-    # read only garbles that line).
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {time.time():.0f} {holder}\n".encode(), 0)
+    # read only garbles that line, and a failed write only loses it).
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {time.time():.0f} {holder}\n".encode(), 0)
     with _windows_lock:
         _held[device] = fd
     if announced:
         logger.info("kvcached: took the start-up window of %s after %.1f s", device, waited)
     return StartupWindow(device, path, held=True, waited_s=waited)
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        # Another user's engine created it (and the umask took write access away): flock
+        # needs no write access, only the holder line is not written.
+        return os.open(path, os.O_RDONLY)
 
 
 def _holder_of(path: Path) -> str:

@@ -324,3 +324,34 @@ def test_timeout_setting() -> None:
 def test_the_lock_file_names_its_holder(shm: Path) -> None:
     acquire_startup_window(DEVICE, timeout_s=5, holder="me", directory=shm)
     assert os.path.getsize(startup_window_path(DEVICE, shm)) > 0  # names the holder
+
+
+def test_a_lock_file_this_user_cannot_write_still_serves_as_the_window(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's engine created the file and a 022 umask took write access away: the
+    lock needs no write access, so the window still works (only the holder line is lost)."""
+    import select
+
+    open_file = os.open
+
+    def no_write_access(path: str, flags: int, *args: int) -> int:
+        if flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", path)
+        return open_file(path, flags, *args)
+
+    startup_window_path(DEVICE, shm).write_text("")
+    monkeypatch.setattr(os, "open", no_write_access)
+    window = acquire_startup_window(DEVICE, timeout_s=5, holder="me", directory=shm)
+    monkeypatch.undo()
+    assert window.held
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", Holder.SCRIPT, DEVICE, str(shm)], cwd=ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stdout is not None
+        assert select.select([waiting.stdout], [], [], 0.5)[0] == []  # it waits for us
+        release_startup_windows()
+        assert waiting.stdout.readline().strip() == "held"
+    finally:
+        waiting.kill()
+        waiting.wait()
