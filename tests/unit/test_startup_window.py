@@ -222,12 +222,24 @@ def test_device_identity_follows_the_visible_devices(monkeypatch: pytest.MonkeyP
 
 def test_device_identity_is_the_uuid_when_torch_reports_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reports an H200's UUID as `be86...` (a `_CUuuid` whose str is that), nvidia-smi
+    and CUDA_VISIBLE_DEVICES as `GPU-be86...`: a process that can read the UUID and one that
+    falls back to CUDA_VISIBLE_DEVICES name the device the same way."""
     import torch
 
+    uuid = "be860c2f-7698-6a1f-1e19-15dffda0fad6"
+
+    class CUuuid:
+        def __str__(self) -> str:
+            return uuid
+
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: types.SimpleNamespace(uuid="AB12-cd34"))
-    # The same device named by UUID in CUDA_VISIBLE_DEVICES gets the same name.
-    assert cuda_device_identity(0, {"CUDA_VISIBLE_DEVICES": "1"}) == "gpu-ab12-cd34"
+                        lambda index: types.SimpleNamespace(uuid=CUuuid()))
+    from_torch = cuda_device_identity(0, {"CUDA_VISIBLE_DEVICES": "1"})
+    assert from_torch == f"gpu-{uuid}"
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+    assert cuda_device_identity(0, {"CUDA_VISIBLE_DEVICES": f"GPU-{uuid}"}) == from_torch
 
 
 # --- vLLM's use -------------------------------------------------------------------------------
