@@ -46,6 +46,10 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
                  note="the GPU worker refuses to start when free memory is below its share"),
     RequiredSeam("vllm", "memory-profile-check",
                  note="the profile run asserts that device free memory did not rise"),
+    RequiredSeam("vllm", "startup-window",
+                 note="the profile charges every device-wide change of used memory between "
+                      "the worker's initial snapshot and the end of its profile to itself, so "
+                      "elastic engines on one device take that window in turn"),
     RequiredSeam("vllm", "kv-buffers-v1-runner",
                  note="the V1 GPUModelRunner allocates the KV buffers of every release"),
     RequiredSeam("vllm", "kv-buffers-v2-runner", ">=0.22",
@@ -602,6 +606,36 @@ CODEMODS += [
         retire_when="vLLM measures the profile run with per-process memory instead of "
                     "device-wide free memory.",
         codemod=_vllm_startup_memory.ElasticMemoryProfileCheck,
+        forwarded="no",
+        last_update=_VLLM_REVIEWED,
+    ),
+    # The start-up window: one elastic engine at a time between its initial snapshot and the
+    # end of its profile on one device. The snapshot is `self.init_snapshot = MemorySnapshot()`
+    # up to 0.13 and `self.init_snapshot = init_snapshot = MemorySnapshot(device=self.device)`
+    # from 0.14, in Worker.init_device after self.device is set, in every release; the same
+    # codemod matches both shapes. The window ends when determine_available_memory returns (any
+    # path: kv_cache_memory_bytes skips the profile) or initialize_from_config does, not when
+    # the first KV buffer is created: from 0.18 profile_cudagraph_memory allocates a minimal KV
+    # cache inside the profile, before its figures are final.
+    CodemodDeclaration(
+        id="vllm-startup-window",
+        seam="startup-window",
+        engine="vllm",
+        versions=">=0.9.2,<0.34",
+        anchor="vllm.v1.worker.gpu_worker.Worker.init_device: self.init_snapshot = "
+               "MemorySnapshot(...); Worker.determine_available_memory, "
+               "Worker.initialize_from_config (decorators)",
+        targets=("{package}/v1/worker/gpu_worker.py",),
+        expected_hits=3,
+        why="The profile charges every device-wide change of used memory between the initial "
+            "snapshot and its end that this process's allocator did not make to this engine; "
+            "an elastic engine whose window holds a neighbour's weight load sizes its KV "
+            "address space too small for a burst (measured: 6.63 GiB where the neighbour got "
+            "22.05 GiB). Elastic engines on one device take the window in turn (a per-device "
+            "lock, released when the profile is done or the process exits).",
+        retire_when="vLLM measures the profile with per-process memory instead of device-wide "
+                    "used memory.",
+        codemod=_vllm_startup_memory.StartupWindowAroundSnapshot,
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),

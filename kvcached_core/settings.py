@@ -93,7 +93,10 @@ class KVCachedSettings:
     `virtual_size_bytes`: `KVCACHED_VIRTUAL_SIZE`, address space for the KV cache of all layers
     (None: the engine's own sizing). `pool_name`: `KVCACHED_POOL_NAME` (None: the engine picks
     one from its pid). `ipc_timeout_s`: `KVCACHED_IPC_TIMEOUT`, seconds one exchange with worker
-    processes may take. `shm_dir`: `KVCACHED_SHM_DIR`, where limit records and budgets live.
+    processes may take. `shm_dir`: `KVCACHED_SHM_DIR`, where limit records, budgets and the
+    devices' start-up windows live. `start_window_timeout_s`: `KVCACHED_START_WINDOW_TIMEOUT`,
+    seconds an elastic engine waits for another engine's start-up window on its device before
+    it takes its memory snapshot anyway (`startup_memory.acquire_startup_window`).
     `scheduler_only`: `KVCACHED_SCHEDULER_ONLY=1` declares a process that runs an engine's
     scheduler with no KV buffers (planning, the engine's own scheduler tests): its block pools
     get a host-memory ledger. Without it an elastic scheduler whose KV buffers are not
@@ -118,6 +121,7 @@ class KVCachedSettings:
     ipc_timeout_s: float = 60.0
     shm_dir: str = "/dev/shm"
     scheduler_only: bool = False
+    start_window_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size % 4096:
@@ -181,6 +185,8 @@ class KVCachedSettings:
             ipc_timeout_s=_seconds(env, "KVCACHED_IPC_TIMEOUT", defaults.ipc_timeout_s),
             shm_dir=env.get("KVCACHED_SHM_DIR", "").strip() or defaults.shm_dir,
             scheduler_only=_flag(env, "KVCACHED_SCHEDULER_ONLY", defaults.scheduler_only),
+            start_window_timeout_s=_seconds(env, "KVCACHED_START_WINDOW_TIMEOUT",
+                                            defaults.start_window_timeout_s),
         )
 
 

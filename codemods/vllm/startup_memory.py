@@ -14,6 +14,14 @@ grows and shrinks:
 Each comparison becomes a call of the adapter with the same operands, which makes the stock
 comparison when the engine is not elastic (kvcached_core/integration/vllm/startup_memory.py).
 The assertion keeps its message.
+
+Seam: the start-up window. The worker's profile charges every device-wide change of used memory
+between its initial snapshot (`self.init_snapshot = MemorySnapshot(...)` in `Worker.init_device`,
+every release from 0.9.2) and the end of its profile to itself, so elastic engines on one device
+must take that window in turn. The snapshot is taken through the adapter
+(`startup_snapshot(lambda: MemorySnapshot(...), self.device)`, which waits for the device's
+window first), and `Worker.determine_available_memory` and `Worker.initialize_from_config` end
+it (`@ends_startup_window`).
 """
 
 from __future__ import annotations
@@ -21,7 +29,12 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from codemods.vllm._common import FunctionCodemod, adapter_attr, is_adapter_call
+from codemods.vllm._common import (
+    FunctionCodemod,
+    MethodCodemod,
+    adapter_attr,
+    is_adapter_call,
+)
 
 _FREE_MEMORY = m.Attribute(attr=m.Name("free_memory"))
 
@@ -97,3 +110,55 @@ class ElasticMemoryProfileCheck(_ScopedComparisons):
                                           whitespace_after=cst.SimpleWhitespace(""))),
         ])
         return updated_node.with_changes(test=call)
+
+
+_INIT_SNAPSHOT = m.AssignTarget(target=m.Attribute(value=m.Name("self"),
+                                                  attr=m.Name("init_snapshot")))
+_WINDOW_END = "_kvcached_vllm.ends_startup_window"
+
+
+class StartupWindowAroundSnapshot(MethodCodemod):
+    # The initial memory snapshot waits for the device's start-up window; the profile ends it.
+
+    DESCRIPTION = ("Worker.init_device: self.init_snapshot = MemorySnapshot(...) through "
+                   "startup_snapshot(lambda: ..., self.device); @ends_startup_window on "
+                   "determine_available_memory and initialize_from_config")
+    CLASS_NAME = "Worker"
+    WINDOW_ENDS = ("determine_available_memory", "initialize_from_config")
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        if self.in_target_class() and node.name.value == "init_device":
+            self._method = "init_device"
+
+    def leave_Assign(self, original_node: cst.Assign,
+                     updated_node: cst.Assign) -> cst.Assign:
+        if self._method != "init_device" or not any(
+                m.matches(target, _INIT_SNAPSHOT) for target in updated_node.targets):
+            return updated_node
+        if is_adapter_call(updated_node.value, "startup_snapshot"):
+            self.record_already_applied()
+            return updated_node
+        if not m.matches(updated_node.value, m.Call(func=m.Name("MemorySnapshot"))):
+            return updated_node
+        self.record_hit()
+        take = cst.Lambda(params=cst.Parameters(), body=updated_node.value)
+        device = cst.Attribute(value=cst.Name("self"), attr=cst.Name("device"))
+        return updated_node.with_changes(value=cst.Call(
+            func=adapter_attr("startup_snapshot"),
+            args=[cst.Arg(value=take), cst.Arg(value=device)]))
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef,
+                          updated_node: cst.FunctionDef) -> cst.FunctionDef:
+        name = original_node.name.value
+        if not self.in_target_class():
+            return updated_node
+        if name == "init_device":
+            self._method = None
+        if name not in self.WINDOW_ENDS:
+            return updated_node
+        decorator = cst.Decorator(decorator=cst.parse_expression(_WINDOW_END))
+        if any(d.deep_equals(decorator) for d in updated_node.decorators):
+            self.record_already_applied()
+            return updated_node
+        self.record_hit()
+        return updated_node.with_changes(decorators=[*updated_node.decorators, decorator])

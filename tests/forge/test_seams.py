@@ -24,7 +24,7 @@ CELL = "fakeeng-1.0"
 SHA = "ab" * 32
 
 VLLM_SEAMS = ["provenance", "block-pool", "allocate-slots-race", "step-end-release", "shutdown",
-              "kv-budget", "startup-free-memory", "memory-profile-check",
+              "kv-budget", "startup-free-memory", "memory-profile-check", "startup-window",
               "kv-buffers-v1-runner", "kv-buffers-v2-runner"]
 SGLANG_SEAMS = ["provenance", "token-allocator", "paged-allocator", "mha-pool", "mla-pool",
                 "capacity", "prefix-cache-bound", "config-guard", "startup-free-memory",
@@ -153,7 +153,7 @@ def test_a_vllm_release_between_cells_passes_every_command(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     matrix = probe_matrix(tmp_path / "matrix.toml", "vllm", "0.17", "0.17.1")
     assert main(["check-matrix", "--matrix", str(matrix)]) == 0
-    assert "vllm-0.17: 9 transforms" in capsys.readouterr().out
+    assert "vllm-0.17: 10 transforms" in capsys.readouterr().out
 
 
 def test_a_release_older_than_every_transform_misses_its_seams(
@@ -162,7 +162,7 @@ def test_a_release_older_than_every_transform_misses_its_seams(
     message = one_error_line(["check-matrix", "--matrix", str(matrix)], capsys)
     assert message == ("cell vllm-0.8: required seams block-pool, allocate-slots-race, "
                        "step-end-release, shutdown, kv-budget, startup-free-memory, "
-                       "memory-profile-check, kv-buffers-v1-runner have no "
+                       "memory-profile-check, startup-window, kv-buffers-v1-runner have no "
                        "transform for vllm 0.8.5")
 
 
@@ -247,6 +247,7 @@ def test_transforms_lists_each_seam_of_a_real_cell(capsys: pytest.CaptureFixture
         ("kv-buffers-v1-runner + kv-buffers-v2-runner", "vllm-kv-buffers-shared"),
         ("startup-free-memory", "vllm-startup-free-memory"),
         ("memory-profile-check", "vllm-memory-profile-check"),
+        ("startup-window", "vllm-startup-window"),
     ]
     assert "    description:   allocate_kv_cache: torch.zeros -> shared_kv_buffer\n" in out
     assert f"required seams, each covered once: {', '.join(VLLM_SEAMS)}\n" in out

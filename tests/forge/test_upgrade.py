@@ -32,7 +32,7 @@ from forge.matrix import load_matrix
 from forge.registry import PATCHES_ROOT, default_registry
 from forge.trial import PROOF_TRIAL_ENV, trial_matrix_path, trial_registry
 from tests.forge.conftest import Member, WheelRecipe, build_wheel
-from tests.transforms.test_vllm_startup_memory_codemods import PROFILE_032, REQUEST_MEMORY
+from tests.transforms.test_vllm_startup_memory_codemods import REQUEST_MEMORY
 
 FIXTURES = Path(__file__).resolve().parents[1] / "transforms" / "fixtures"
 WHEEL_TAGS = "cp38-abi3-manylinux_2_28_x86_64"
@@ -52,7 +52,8 @@ def fake_vllm_sources(*, without_allocate_slots: bool = False) -> dict[str, str]
         "vllm/v1/core/kv_cache_manager.py": manager,
         "vllm/v1/engine/core.py": before("vllm-engine-shutdown"),
         "vllm/v1/worker/utils.py": REQUEST_MEMORY + "\n\n" + before("vllm-kv-buffers-shared"),
-        "vllm/v1/worker/gpu_worker.py": PROFILE_032,
+        # The worker as 0.32 has it: the snapshot (startup window) and the profile assertion.
+        "vllm/v1/worker/gpu_worker.py": before("vllm-startup-window"),
     }
 
 

@@ -1,22 +1,29 @@
 # ruff: noqa: E501  (the expected sources hold the codemod's long lines as written)
 """codemods/vllm/startup_memory: whole before/after sources for each release's shape of the
-start-up memory checks, idempotency, and what is left alone."""
+start-up memory checks and of the start-up window, idempotency, and what is left alone."""
 
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 from libcst.codemod import CodemodContext, TransformSuccess, transform_module
 
 from codemods.base import BuildContext, HitCountingCodemod
-from codemods.vllm.startup_memory import ElasticMemoryProfileCheck, ElasticStartupFreeMemoryCheck
+from codemods.vllm.startup_memory import (
+    ElasticMemoryProfileCheck,
+    ElasticStartupFreeMemoryCheck,
+    StartupWindowAroundSnapshot,
+)
 
 BUILD = BuildContext(
     cell="vllm-0.25", engine="vllm", package="vllm", upstream_version="0.25.1",
     built_version="0.25.1+kvcached.1", base_artifact="vllm.whl", base_sha256="0" * 64,
     transform_ids=(), fingerprint="1" * 64, toolkit_version="0.1.0",
 )
+
+WINDOW_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-startup-window"
 
 
 def run(codemod: type[HitCountingCodemod], source: str) -> tuple[int, int, str]:
@@ -173,3 +180,83 @@ def test_a_release_without_the_checks_has_no_hit() -> None:
     assert run(ElasticStartupFreeMemoryCheck, source) == (0, 0, source)
     source = "class Worker:\n    def determine_available_memory(self):\n        return 1\n"
     assert run(ElasticMemoryProfileCheck, source) == (0, 0, source)
+
+
+@pytest.mark.parametrize("case", ["", "_0_9"])
+def test_snapshot_is_taken_in_the_window_and_the_profile_ends_it(case: str) -> None:
+    """0.32's chained snapshot (`= init_snapshot = MemorySnapshot(device=...)`) and 0.9.2's
+    `MemorySnapshot()` are both wrapped; determine_available_memory and
+    initialize_from_config get the decorator that ends the window."""
+    before = (WINDOW_FIXTURES / f"before{case}.py").read_text(encoding="utf-8")
+    hits, already, code = run(StartupWindowAroundSnapshot, before)
+    assert (hits, already) == (3, 0)
+    assert code == (WINDOW_FIXTURES / f"after{case}.py").read_text(encoding="utf-8")
+    compile(code, "gpu_worker.py", "exec")
+    hits, already, again = run(StartupWindowAroundSnapshot, code)
+    assert (hits, already, again) == (0, 3, code)
+
+
+def test_window_codemod_leaves_other_classes_and_methods_alone() -> None:
+    source = """\
+class AsyncIntermediateTensors:
+    def init_device(self):
+        self.init_snapshot = MemorySnapshot()
+
+    def determine_available_memory(self):
+        return 0
+
+
+class Worker:
+    def sleep(self):
+        self.init_snapshot = MemorySnapshot()
+
+    def init_device(self):
+        self.init_snapshot = self.other_snapshot()
+        snapshot = MemorySnapshot()
+"""
+    assert run(StartupWindowAroundSnapshot, source) == (0, 0, source)
+
+
+@pytest.mark.parametrize("enabled", ["0", "1"])
+def test_wrapped_snapshot_builds_the_original_snapshot_once(
+        enabled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewritten right-hand side, run through the adapter, builds the snapshot the stock
+    line built, once, with its arguments; elastic, it holds the device's window after."""
+    import types
+
+    import kvcached_core.integration.vllm as adapter
+    from kvcached_core.startup_memory import holds_startup_window, release_startup_windows
+
+    monkeypatch.setenv("KVCACHED_ENABLE", enabled)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    code = run(StartupWindowAroundSnapshot, (WINDOW_FIXTURES / "before.py").read_text())[2]
+    line = next(x for x in code.splitlines() if "startup_snapshot(" in x)
+    expression = line.split("= init_snapshot = ", 1)[1]
+    calls: list[dict[str, object]] = []
+
+    class MemorySnapshot:
+        def __init__(self, **kwargs: object) -> None:
+            calls.append(kwargs)
+
+    device = types.SimpleNamespace(type="cuda", index=0)
+    try:
+        snapshot = eval(expression, {"_kvcached_vllm": adapter, "MemorySnapshot": MemorySnapshot,
+                                     "self": types.SimpleNamespace(device=device)})
+        assert isinstance(snapshot, MemorySnapshot)
+        assert calls == [{"device": device}]
+        assert holds_startup_window("cuda-3") == (enabled == "1")
+    finally:
+        release_startup_windows()
+
+
+def test_window_and_profile_check_share_the_worker_module_and_its_import() -> None:
+    """Both rewrite 0.32's gpu_worker.py: the profile assertion of the windowed worker still
+    goes through the adapter, and the module imports the adapter once."""
+    _, _, code = run(StartupWindowAroundSnapshot, (WINDOW_FIXTURES / "before.py").read_text())
+    hits, _, code = run(ElasticMemoryProfileCheck, code)
+    assert hits == 1
+    assert code.count("import kvcached_core.integration.vllm as _kvcached_vllm\n") == 1
+    assert "_kvcached_vllm.memory_profile_consistent(init_free_memory, free_gpu_memory, " \
+           "strict=False)" in code
+    assert "@_kvcached_vllm.ends_startup_window\n    def determine_available_memory" in code

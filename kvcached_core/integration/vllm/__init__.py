@@ -24,8 +24,10 @@ from kvcached_core.integration.vllm.kv_buffers import (
 )
 from kvcached_core.integration.vllm.pools import EnginePool, engine_pools
 from kvcached_core.integration.vllm.startup_memory import (
+    ends_startup_window,
     memory_profile_consistent,
     startup_memory_short,
+    startup_snapshot,
 )
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "elastic_block_pool_class",
     "elastic_enabled",
     "engine_pools",
+    "ends_startup_window",
     "engine_settings",
     "kv_cache_budget",
     "kv_tensor_buffer",
@@ -45,4 +48,5 @@ __all__ = [
     "released_after_step",
     "shared_kv_buffer",
     "startup_memory_short",
+    "startup_snapshot",
 ]

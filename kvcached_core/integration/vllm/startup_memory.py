@@ -17,27 +17,47 @@ burst, so free memory moves while the engine starts. What an elastic engine need
 its first KV pages (the reserve pool) beside what it has already allocated, counting the KV
 pages elastic neighbours hold as memory they give back. With `KVCACHED_ENABLE=0` both checks
 are the stock comparisons, unchanged.
+
+The profile itself is a device-wide measurement: the worker snapshots device memory in
+`init_device`, loads its weights, runs its profile, and charges every change of device-wide
+used memory its own allocator did not make to itself ("non-torch" memory). A neighbour that
+loads its weights inside that window is charged to this engine, whose KV address space then
+comes out too small for a burst. So an elastic worker takes that snapshot inside its device's
+start-up window (`startup_snapshot`), and gives the window up when its profile is done
+(`memory_profile_consistent`), when `determine_available_memory` returns by any path (the
+`kv_cache_memory_bytes` path skips the profile) or when the KV cache is initialised
+(`ends_startup_window`), or when the process exits.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from kvcached_core.integration.vllm.config import engine_settings, pool_name
 from kvcached_core.startup_memory import (
     GIB,
     StartupMemory,
+    acquire_startup_window,
+    cuda_device_identity,
     first_pages_bytes,
     neighbour_kv_bytes,
+    release_startup_windows,
 )
 
 __all__ = [
+    "ends_startup_window",
     "first_pages_bytes",
     "memory_profile_consistent",
     "neighbour_kv_bytes",
     "startup_memory_short",
+    "startup_snapshot",
 ]
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +114,8 @@ def memory_profile_consistent(
     that is no error. What must still hold is room for the engine's first KV pages now that
     its weights, activations and graphs are allocated.
     """
+    # Both figures are taken: this engine's measurement is over, a neighbour may start its own.
+    release_startup_windows()
     settings = engine_settings(environ)
     stock_ok = initial_free > current_free if strict else initial_free >= current_free
     if not settings.enabled:
@@ -122,3 +144,53 @@ def memory_profile_consistent(
         )
     return True
 
+
+
+def startup_snapshot(take: Callable[[], T], device: Any = None, *,
+                     environ: Mapping[str, str] | None = None) -> T:
+    """The worker's initial memory snapshot (`take()`), taken inside the start-up window of
+    `device` (a `torch.device`; None: the current CUDA device).
+
+    Elastic on a CUDA device: wait until no other elastic engine on the device is between its
+    own snapshot and the end of its profile (at most `KVCACHED_START_WINDOW_TIMEOUT`), then
+    hold the window until this engine's profile is done. Stock (`KVCACHED_ENABLE=0`) or
+    another device type (the CPU worker, tests): `take()` and nothing else.
+    """
+    settings = engine_settings(environ)
+    if settings.enabled:
+        index = _cuda_index(device)
+        if index is not None:
+            acquire_startup_window(cuda_device_identity(index, environ),
+                                   timeout_s=settings.start_window_timeout_s,
+                                   holder=pool_name(environ), directory=settings.shm_dir)
+    return take()
+
+
+def _cuda_index(device: Any) -> int | None:
+    """The CUDA device index of `device`, or None when it is not a CUDA device."""
+    if device is None:
+        try:
+            import torch
+
+            return int(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        except Exception:  # a torch without CUDA
+            return None
+    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return None
+    index = getattr(device, "index", None)
+    return int(index) if index is not None else 0
+
+
+def ends_startup_window(method: F) -> F:
+    """Decorate a worker method after which this engine measures nothing device-wide any
+    more (`Worker.determine_available_memory`, `Worker.initialize_from_config`): the start-up
+    window is released when it returns or raises. Holding none, that is a no-op."""
+
+    @functools.wraps(method)
+    def releasing(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:
+            release_startup_windows()
+
+    return releasing  # type: ignore[return-value]
