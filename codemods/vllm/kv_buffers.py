@@ -104,6 +104,21 @@ class TensorKVBuffers(PerLayerKVBuffers):
     EXTRA = _tensor_extra("self.attn_groups")
 
 
+def _names_bound_in(function: cst.FunctionDef) -> set[str]:
+    """The parameters of `function` and the plain names it assigns or loops over."""
+    params = function.params
+    bound = {p.name.value for p in (*params.posonly_params, *params.params,
+                                    *params.kwonly_params)}
+    for star in (params.star_arg, params.star_kwarg):
+        if isinstance(star, cst.Param):
+            bound.add(star.name.value)
+    for node in m.findall(function.body, m.AssignTarget() | m.AnnAssign() | m.For()):
+        if isinstance(node, cst.AssignTarget | cst.AnnAssign | cst.For):
+            bound.update(name.value for name in m.findall(node.target, m.Name())
+                         if isinstance(name, cst.Name))
+    return bound
+
+
 class ModelRunnerV2KVBuffers(FunctionCodemod):
     # Four places: the two zeros sites of `_allocate_kv_cache`, a new `attn_groups=()` parameter
     # of it, and `attn_groups=attn_groups` in the call from `init_kv_cache`.
@@ -117,17 +132,23 @@ class ModelRunnerV2KVBuffers(FunctionCodemod):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self._in_caller = 0
+        # Whether the caller being visited binds GROUPS. A release whose caller holds the
+        # layouts under another name must not match: passing an unbound name compiles and
+        # fails only when the engine starts (NameError), with or without KVCACHED_ENABLE.
+        self._caller_binds_groups: list[bool] = []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         super().visit_FunctionDef(node)
         if node.name.value == self.CALLER_NAME:
             self._in_caller += 1
+            self._caller_binds_groups.append(self.GROUPS in _names_bound_in(node))
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef,
                           updated_node: cst.FunctionDef) -> cst.FunctionDef:
         name = original_node.name.value
         if name == self.CALLER_NAME:
             self._in_caller -= 1
+            self._caller_binds_groups.pop()
         if name == self.FUNCTION_NAME:
             updated_node = self._with_groups_parameter(updated_node)
         return super().leave_FunctionDef(original_node, updated_node)
@@ -157,6 +178,8 @@ class ModelRunnerV2KVBuffers(FunctionCodemod):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if self._in_caller and m.matches(updated_node.func, m.Name(self.FUNCTION_NAME)):
+            if not self._caller_binds_groups[-1]:
+                return updated_node
             if any(a.keyword is not None and m.matches(a.keyword, m.Name(self.GROUPS))
                    for a in updated_node.args):
                 self.record_already_applied()

@@ -289,3 +289,17 @@ def test_model_runner_v2_of_0_22_and_0_23_runs_as_stock_when_switched_off(
     assert {k: v.numel() for k, v in raw.items()} == {"a": 64, "b": 96, "c": 96}
     assert raw["b"] is raw["c"] and raw["a"] is not raw["b"]
     assert all(v.dtype == torch.int8 and not v.any() for v in raw.values())
+
+
+@pytest.mark.parametrize(("codemod", "other_release"), [
+    (ModelRunnerV2BackendsKVBuffers, "vllm-kv-buffers-mrv2-groups"),
+    (ModelRunnerV2GroupsKVBuffers, "vllm-kv-buffers-mrv2-backends"),
+])
+def test_model_runner_v2_variant_does_not_match_a_caller_without_its_layouts(
+        codemod: type[HitCountingCodemod], other_release: str) -> None:
+    # 0.22's caller holds `attn_backends`, 0.23's `attn_groups`: each variant passing a name the
+    # other release's caller does not bind would compile and fail only at start (NameError),
+    # so it must fall short of its expected hits there instead of matching.
+    hits, _, code = run(codemod, fixture(other_release))
+    assert hits < 3
+    assert f"{codemod.GROUPS}={codemod.GROUPS}" not in code
