@@ -13,11 +13,17 @@ SGLang reads device free memory, reduced to the minimum across ranks, twice whil
 The ``get_available_gpu_memory(..., distributed=...)`` call in each becomes a call of the
 adapter with the same arguments and the measuring function first
 (kvcached_core/integration/sglang/startup.py, ``elastic_free_memory_gb``), which returns
-SGLang's own figure when the pools are not elastic. The import goes first in the function's
-body (after its docstring), so the module's imports are untouched.
+SGLang's own figure when the pools are not elastic. The call also names its end of the
+device's start-up window: ``startup_window="begin"`` on the pre-load read (the window is taken
+before measuring), ``startup_window="end"`` on the KV-profile read (released after measuring),
+so that elastic engines on one device do not measure each other's weight loads. The import
+goes first in the function's body (after its docstring), so the module's imports are
+untouched.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import libcst as cst
 import libcst.matchers as m
@@ -45,6 +51,9 @@ _DISTRIBUTED_MEASURE = m.Call(
 class _ElasticFreeMemory(MethodScopedCodemod):
     """Base: route the target's rank-reduced free-memory measure through the adapter."""
 
+    # The end of the start-up window this read marks ("begin" or "end").
+    STARTUP_WINDOW: ClassVar[str]
+
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if not self.in_target:
             return updated_node
@@ -59,9 +68,19 @@ class _ElasticFreeMemory(MethodScopedCodemod):
         first_comma = updated_node.args[0].comma
         comma = first_comma if isinstance(first_comma, cst.Comma) else cst.Comma(
             whitespace_after=cst.SimpleWhitespace(" "))
+        # The window keyword goes last, taking the call's own trailing comma (if any).
+        *leading, last = updated_node.args
+        window = cst.Arg(
+            keyword=cst.Name("startup_window"),
+            value=cst.SimpleString(f'"{self.STARTUP_WINDOW}"'),
+            equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                  whitespace_after=cst.SimpleWhitespace("")),
+            comma=last.comma,
+        )
         return updated_node.with_changes(
             func=cst.Name(WRAPPER),
-            args=[cst.Arg(value=cst.Name(MEASURE), comma=comma), *updated_node.args],
+            args=[cst.Arg(value=cst.Name(MEASURE), comma=comma), *leading,
+                  last.with_changes(comma=comma), window],
         )
 
     def rewrite_target(self, node: cst.FunctionDef) -> cst.FunctionDef:
@@ -75,12 +94,15 @@ class _ElasticFreeMemory(MethodScopedCodemod):
 
 class ElasticPreModelLoadMemory(_ElasticFreeMemory):
     DESCRIPTION = ("measure_pre_model_load_memory: get_available_gpu_memory(distributed=...) "
-                   "through elastic_free_memory_gb(...)")
+                   "through elastic_free_memory_gb(..., startup_window=\"begin\")")
     METHOD = "measure_pre_model_load_memory"
+    STARTUP_WINDOW = "begin"
 
 
 class ElasticKVProfileMemory(_ElasticFreeMemory):
     DESCRIPTION = ("KVCacheConfigurator._profile_available_bytes: "
-                   "get_available_gpu_memory(distributed=...) through elastic_free_memory_gb(...)")
+                   "get_available_gpu_memory(distributed=...) through "
+                   "elastic_free_memory_gb(..., startup_window=\"end\")")
     CLASS = "KVCacheConfigurator"
     METHOD = "_profile_available_bytes"
+    STARTUP_WINDOW = "end"

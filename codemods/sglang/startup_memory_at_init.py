@@ -11,5 +11,6 @@ from codemods.sglang.startup_memory import _ElasticFreeMemory
 
 class ElasticPreModelLoadMemoryAtInit(_ElasticFreeMemory):
     DESCRIPTION = ("init_torch_distributed: get_available_gpu_memory(distributed=...) "
-                   "through elastic_free_memory_gb(...)")
+                   "through elastic_free_memory_gb(..., startup_window=\"begin\")")
     METHOD = "init_torch_distributed"
+    STARTUP_WINDOW = "begin"
