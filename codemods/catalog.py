@@ -245,8 +245,9 @@ CODEMODS += [
             "with this rank's free memory by the TP memory-balance check (an error by "
             "default); KV that elastic neighbours hold while this engine starts must count as "
             "memory they give back, or a burst next door refuses or shrinks the engine. The read "
-            "opens the device's start-up window (startup_window=\"begin\"), so that no elastic "
-            "neighbour's weight load is charged to this engine.",
+            "opens the device's start-up window (startup_window=\"begin\", none for a draft "
+            "worker, whose pools reuse the target's sizing), so that no elastic neighbour's "
+            "weight load is charged to this engine.",
         retire_when="SGLang lets a KV-cache allocator report the memory it needs at start, or "
                     "measures start-up memory per process instead of device-wide.",
         codemod=ElasticPreModelLoadMemory,

@@ -16,7 +16,10 @@ adapter with the same arguments and the measuring function first
 SGLang's own figure when the pools are not elastic. The call also names its end of the
 device's start-up window: ``startup_window="begin"`` on the pre-load read (the window is taken
 before measuring), ``startup_window="end"`` on the KV-profile read (released after measuring),
-so that elastic engines on one device do not measure each other's weight loads. The import
+so that elastic engines on one device do not measure each other's weight loads. A draft worker
+(speculative decoding) takes the pre-load read too but reuses the target's pool config, so no
+KV-profile read follows it: its read passes ``startup_window=None if is_draft_worker else
+"begin"``, and a target without an ``is_draft_worker`` parameter is not rewritten. The import
 goes first in the function's body (after its docstring), so the module's imports are
 untouched.
 """
@@ -53,6 +56,28 @@ class _ElasticFreeMemory(MethodScopedCodemod):
 
     # The end of the start-up window this read marks ("begin" or "end").
     STARTUP_WINDOW: ClassVar[str]
+    # A parameter of the target that, when true, makes the read take no window ("": none).
+    NO_WINDOW_WHEN: ClassVar[str] = ""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._target_parameters: set[str] = set()
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        super().visit_FunctionDef(node)
+        if self.in_target:
+            params = node.params
+            self._target_parameters = {
+                param.name.value
+                for param in (*params.posonly_params, *params.params, *params.kwonly_params)
+            }
+
+    def _window_value(self) -> cst.BaseExpression:
+        window = cst.SimpleString(f'"{self.STARTUP_WINDOW}"')
+        if not self.NO_WINDOW_WHEN:
+            return window
+        return cst.IfExp(test=cst.Name(self.NO_WINDOW_WHEN), body=cst.Name("None"),
+                         orelse=window)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if not self.in_target:
@@ -62,6 +87,8 @@ class _ElasticFreeMemory(MethodScopedCodemod):
             return updated_node
         if not m.matches(updated_node, _DISTRIBUTED_MEASURE):
             return updated_node
+        if self.NO_WINDOW_WHEN and self.NO_WINDOW_WHEN not in self._target_parameters:
+            return updated_node  # the anchor changed: the build fails on the missing hit
         self.record_hit()
         # The measure goes first, separated as the call separates its own arguments (one per
         # line stays one per line).
@@ -72,7 +99,7 @@ class _ElasticFreeMemory(MethodScopedCodemod):
         *leading, last = updated_node.args
         window = cst.Arg(
             keyword=cst.Name("startup_window"),
-            value=cst.SimpleString(f'"{self.STARTUP_WINDOW}"'),
+            value=self._window_value(),
             equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
                                   whitespace_after=cst.SimpleWhitespace("")),
             comma=last.comma,
@@ -94,9 +121,11 @@ class _ElasticFreeMemory(MethodScopedCodemod):
 
 class ElasticPreModelLoadMemory(_ElasticFreeMemory):
     DESCRIPTION = ("measure_pre_model_load_memory: get_available_gpu_memory(distributed=...) "
-                   "through elastic_free_memory_gb(..., startup_window=\"begin\")")
+                   "through elastic_free_memory_gb(..., startup_window=\"begin\" unless "
+                   "is_draft_worker)")
     METHOD = "measure_pre_model_load_memory"
     STARTUP_WINDOW = "begin"
+    NO_WINDOW_WHEN = "is_draft_worker"
 
 
 class ElasticKVProfileMemory(_ElasticFreeMemory):

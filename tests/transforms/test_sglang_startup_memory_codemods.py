@@ -69,7 +69,7 @@ BOOTSTRAP_PATCHED = textwrap.dedent('''\
             get_device().gpu_id,
             distributed=get_world_group().world_size > 1 and not is_draft_worker,
             cpu_group=get_world_group().cpu_group,
-            startup_window="begin",
+            startup_window=None if is_draft_worker else "begin",
         )
         local_gpu_memory = get_available_gpu_memory(device, get_device().gpu_id)
         if get_parallel().tp_size > 1 and not is_draft_worker:
@@ -238,9 +238,10 @@ def test_a_call_on_one_line_gets_the_window_keyword_last_on_that_line() -> None:
 
 
 @pytest.mark.parametrize(("codemod", "window"), [
-    (ElasticPreModelLoadMemory, "begin"),
-    (ElasticPreModelLoadMemoryAtInit, "begin"),
-    (ElasticKVProfileMemory, "end"),
+    # A draft worker reuses the target's pool config: no KV-profile read would close its window.
+    (ElasticPreModelLoadMemory, 'None if is_draft_worker else "begin"'),
+    (ElasticPreModelLoadMemoryAtInit, 'None if is_draft_worker else "begin"'),
+    (ElasticKVProfileMemory, '"end"'),
 ])
 def test_the_pre_load_reads_open_the_window_and_the_kv_profile_read_closes_it(
         codemod: type[MethodScopedCodemod], window: str) -> None:
@@ -248,7 +249,17 @@ def test_the_pre_load_reads_open_the_window_and_the_kv_profile_read_closes_it(
     if codemod.CLASS:
         source = f"class {codemod.CLASS}:\n    def {codemod.METHOD}(self):\n        {read}"
     else:
-        source = f"def {codemod.METHOD}():\n    {read}"
+        source = f"def {codemod.METHOD}(*, is_draft_worker):\n    {read}"
     hits, _, code = run(codemod, source)
     assert hits == 1
-    assert f'distributed=True, startup_window="{window}")' in code
+    assert f"distributed=True, startup_window={window})" in code
+
+
+@pytest.mark.parametrize("codemod", [ElasticPreModelLoadMemory, ElasticPreModelLoadMemoryAtInit])
+def test_a_pre_load_read_without_the_draft_flag_is_not_rewritten(
+        codemod: type[MethodScopedCodemod]) -> None:
+    # Without is_draft_worker the rewrite cannot keep a draft worker out of the window: the
+    # build must fail on the missing hit rather than leave a window no read closes.
+    source = (f"def {codemod.METHOD}(*, device):\n"
+              "    return get_available_gpu_memory(device, 0, distributed=True)\n")
+    assert run(codemod, source) == (0, 0, source)

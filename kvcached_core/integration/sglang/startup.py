@@ -99,8 +99,8 @@ def elastic_free_memory_gb(
     charged to this engine. `startup_window` makes elastic engines on one CUDA device take
     that span in turns: `"begin"` (the pre-load read) waits for the device's start-up window
     before measuring and keeps it; `"end"` (the KV-profile read) measures, then releases every
-    window this process holds, also when the measure raises. Stock, or a device other than
-    CUDA: no window.
+    window this process holds, also when the measure raises. None (a draft worker's pre-load
+    read, which no KV-profile read follows), stock, or a device other than CUDA: no window.
     """
     if startup_window not in (None, "begin", "end"):
         raise ValueError(f"startup_window must be 'begin', 'end' or None, not {startup_window!r}")
