@@ -126,7 +126,7 @@ _SGLANG_PRE_LOAD_MEASURE = ">=0.5.21,<0.5.24"
 _SGLANG_PRE_LOAD_AT_INIT = ">=0.5.20,<0.5.21"
 _SGLANG_DATE = "2026-11-30"
 _SGLANG_LAYOUT_DATE = "2026-12-02"
-_SGLANG_STARTUP_DATE = "2026-12-01"
+_SGLANG_WINDOW_DATE = "2026-12-02"
 
 CODEMODS += [
     CodemodDeclaration(
@@ -244,12 +244,15 @@ CODEMODS += [
         why="The pre-load figure sets the slack subtracted from the KV budget and is compared "
             "with this rank's free memory by the TP memory-balance check (an error by "
             "default); KV that elastic neighbours hold while this engine starts must count as "
-            "memory they give back, or a burst next door refuses or shrinks the engine.",
+            "memory they give back, or a burst next door refuses or shrinks the engine. The read "
+            "opens the device's start-up window (startup_window=\"begin\", none for a draft "
+            "worker, whose pools reuse the target's sizing), so that no elastic neighbour's "
+            "weight load is charged to this engine.",
         retire_when="SGLang lets a KV-cache allocator report the memory it needs at start, or "
                     "measures start-up memory per process instead of device-wide.",
         codemod=ElasticPreModelLoadMemory,
         forwarded="no",
-        last_update=_SGLANG_STARTUP_DATE,
+        last_update=_SGLANG_WINDOW_DATE,
     ),
     CodemodDeclaration(
         id="sglang-startup-free-memory-at-init",
@@ -261,11 +264,12 @@ CODEMODS += [
         targets=("{package}/srt/distributed/bootstrap.py",),
         expected_hits=1,
         why="The same pre-load figure as sglang-startup-free-memory, read where 0.5.20 reads "
-            "it (0.5.21 moved it to measure_pre_model_load_memory).",
+            "it (0.5.21 moved it to measure_pre_model_load_memory); it opens the device's "
+            "start-up window the same way.",
         retire_when="The oldest SGLang cell reads it in measure_pre_model_load_memory.",
         codemod=ElasticPreModelLoadMemoryAtInit,
         forwarded="no",
-        last_update=_SGLANG_LAYOUT_DATE,
+        last_update=_SGLANG_WINDOW_DATE,
     ),
     CodemodDeclaration(
         id="sglang-kv-profile-free-memory",
@@ -279,12 +283,14 @@ CODEMODS += [
         why="The KV pools are sized once, from free memory after the weights load, and start-up "
             "is refused when none is left ('Loaded weights leave no GPU memory', 'Not enough "
             "memory'); an elastic neighbour's burst at that moment must neither refuse the "
-            "engine nor fix its capacity for life to what the neighbour left free.",
+            "engine nor fix its capacity for life to what the neighbour left free. The read "
+            "closes the start-up window the pre-load read opened (startup_window=\"end\"), "
+            "also when it raises, so the next elastic engine on the device may measure.",
         retire_when="SGLang accepts a KV byte budget from a platform hook (then the capacity "
                     "seam supplies the whole budget).",
         codemod=ElasticKVProfileMemory,
         forwarded="no",
-        last_update=_SGLANG_STARTUP_DATE,
+        last_update=_SGLANG_WINDOW_DATE,
     ),
     CodemodDeclaration(
         id="sglang-refuse-unsupported",

@@ -11,5 +11,8 @@ from codemods.sglang.startup_memory import _ElasticFreeMemory
 
 class ElasticPreModelLoadMemoryAtInit(_ElasticFreeMemory):
     DESCRIPTION = ("init_torch_distributed: get_available_gpu_memory(distributed=...) "
-                   "through elastic_free_memory_gb(...)")
+                   "through elastic_free_memory_gb(..., startup_window=\"begin\" unless "
+                   "is_draft_worker)")
     METHOD = "init_torch_distributed"
+    STARTUP_WINDOW = "begin"
+    NO_WINDOW_WHEN = "is_draft_worker"

@@ -12,8 +12,10 @@ from libcst.codemod import CodemodContext, TransformSuccess, transform_module
 
 from codemods.base import BuildContext, HitCountingCodemod
 from codemods.catalog import CODEMODS
+from codemods.sglang._method import MethodScopedCodemod
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
+from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
 
 BUILD = BuildContext(
     cell="sglang-0.5.23", engine="sglang", package="sglang", upstream_version="0.5.23",
@@ -67,6 +69,7 @@ BOOTSTRAP_PATCHED = textwrap.dedent('''\
             get_device().gpu_id,
             distributed=get_world_group().world_size > 1 and not is_draft_worker,
             cpu_group=get_world_group().cpu_group,
+            startup_window=None if is_draft_worker else "begin",
         )
         local_gpu_memory = get_available_gpu_memory(device, get_device().gpu_id)
         if get_parallel().tp_size > 1 and not is_draft_worker:
@@ -129,6 +132,7 @@ CONFIGURATOR_PATCHED = textwrap.dedent('''\
                 self.gpu_id,
                 distributed=get_parallel().launch_world_size > 1,
                 cpu_group=get_parallel().world_group.cpu_group,
+                startup_window="end",
             )
 
             slack_gb = pre_model_load_memory * (1 - get_schedule().mem_fraction_static)
@@ -211,3 +215,51 @@ def test_both_start_up_reads_are_registered_for_0_5_23_with_their_targets() -> N
         ("{package}/srt/mem_cache/kv_cache_configurator.py",))
     ids = [d.id for d in CODEMODS]
     assert ids.index("sglang-kv-budget") < ids.index("sglang-kv-profile-free-memory")
+
+
+def test_a_call_on_one_line_gets_the_window_keyword_last_on_that_line() -> None:
+    source = CONFIGURATOR.replace(
+        textwrap.indent(textwrap.dedent('''\
+            available_gpu_memory = get_available_gpu_memory(
+                self.device,
+                self.gpu_id,
+                distributed=get_parallel().launch_world_size > 1,
+                cpu_group=get_parallel().world_group.cpu_group,
+            )
+        '''), "        "),
+        "        available_gpu_memory = get_available_gpu_memory(self.device, self.gpu_id, "
+        "distributed=True)\n")
+    assert source != CONFIGURATOR
+    hits, _, code = run(ElasticKVProfileMemory, source)
+    assert hits == 1
+    assert ("        available_gpu_memory = _kvcached_elastic_free_memory_gb("
+            "get_available_gpu_memory, self.device, self.gpu_id, distributed=True, "
+            'startup_window="end")\n') in code
+
+
+@pytest.mark.parametrize(("codemod", "window"), [
+    # A draft worker reuses the target's pool config: no KV-profile read would close its window.
+    (ElasticPreModelLoadMemory, 'None if is_draft_worker else "begin"'),
+    (ElasticPreModelLoadMemoryAtInit, 'None if is_draft_worker else "begin"'),
+    (ElasticKVProfileMemory, '"end"'),
+])
+def test_the_pre_load_reads_open_the_window_and_the_kv_profile_read_closes_it(
+        codemod: type[MethodScopedCodemod], window: str) -> None:
+    read = 'return get_available_gpu_memory("cuda", 0, distributed=True)\n'
+    if codemod.CLASS:
+        source = f"class {codemod.CLASS}:\n    def {codemod.METHOD}(self):\n        {read}"
+    else:
+        source = f"def {codemod.METHOD}(*, is_draft_worker):\n    {read}"
+    hits, _, code = run(codemod, source)
+    assert hits == 1
+    assert f"distributed=True, startup_window={window})" in code
+
+
+@pytest.mark.parametrize("codemod", [ElasticPreModelLoadMemory, ElasticPreModelLoadMemoryAtInit])
+def test_a_pre_load_read_without_the_draft_flag_is_not_rewritten(
+        codemod: type[MethodScopedCodemod]) -> None:
+    # Without is_draft_worker the rewrite cannot keep a draft worker out of the window: the
+    # build must fail on the missing hit rather than leave a window no read closes.
+    source = (f"def {codemod.METHOD}(*, device):\n"
+              "    return get_available_gpu_memory(device, 0, distributed=True)\n")
+    assert run(codemod, source) == (0, 0, source)

@@ -10,6 +10,12 @@ a device that is full even without neighbours' KV is still refused by SGLang's o
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +24,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcached_core.integration.sglang.startup import elastic_free_memory_gb
+from kvcached_core.startup_memory import holds_startup_window, release_startup_windows
 from tests.unit.neighbour_records import write_record
 
 GIB = 1 << 30
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Measure:
@@ -140,3 +148,165 @@ def test_tp_balance_is_not_tripped_by_a_neighbours_kv_on_one_rank(records: Path)
                                              elastic=True, records_directory=str(records),
                                              min_across_ranks=reduce_with_other_rank)
     assert not elastic_minimum < 0.9 * local
+
+
+# --- the start-up window: the pre-load read opens it, the KV-profile read closes it ----------
+
+SGLANG_ENGINE = textwrap.dedent("""
+    import sys
+    from kvcached_core.integration.sglang.startup import elastic_free_memory_gb
+    for command in sys.stdin:
+        window = command.strip()
+        elastic_free_memory_gb(lambda *a, **k: 1.0, "cuda", 0, elastic=True,
+                               records_directory=sys.argv[1], startup_window=window)
+        print(window, flush=True)
+""")
+
+
+class SGLangEngine:
+    """Another SGLang process on the same device: each line sent is a read it takes
+    ("begin": the pre-load figure, "end": the KV-profile figure)."""
+
+    def __init__(self, records: Path) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SGLANG_ENGINE, str(records)], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def read(self, window: str) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(window + "\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == window
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def window_env(records: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # SGLang's gpu_id 0 is physical device 3 here; torch without CUDA names it cuda-3.
+    for name, value in {"KVCACHED_SHM_DIR": str(records), "CUDA_VISIBLE_DEVICES": "3",
+                        "KVCACHED_START_WINDOW_TIMEOUT": "30"}.items():
+        monkeypatch.setenv(name, value)
+    yield
+    release_startup_windows()
+
+
+class WindowSeen(Measure):
+    """A measure that also notes whether this process held the device's window when called."""
+
+    def __init__(self, local_gb: float = 10.0, fails: bool = False) -> None:
+        super().__init__(local_gb)
+        self.fails = fails
+        self.window_held: list[bool] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> float:
+        self.window_held.append(holds_startup_window("cuda-3"))
+        if self.fails:
+            raise RuntimeError("measure failed")
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.mark.usefixtures("window_env")
+@pytest.mark.parametrize("by_name", [False, True])
+def test_the_pre_load_read_takes_the_window_before_measuring_and_keeps_it(
+        records: Path, by_name: bool) -> None:
+    measure = WindowSeen()
+    where: dict[str, Any] = {"device": "cuda", "gpu_id": 0}
+    args = () if by_name else tuple(where.values())
+    figure = elastic_free_memory_gb(measure, *args, distributed=False, elastic=True,
+                                    records_directory=str(records), startup_window="begin",
+                                    **(where if by_name else {}))
+    assert figure == 10.0
+    assert measure.window_held == [True]
+    assert holds_startup_window("cuda-3")
+
+
+@pytest.mark.usefixtures("window_env")
+def test_the_kv_profile_read_releases_the_window_after_measuring(records: Path) -> None:
+    elastic_free_memory_gb(WindowSeen(), "cuda", 0, elastic=True,
+                           records_directory=str(records), startup_window="begin")
+    measure = WindowSeen(local_gb=7.0)
+    assert elastic_free_memory_gb(measure, "cuda", 0, elastic=True,
+                                  records_directory=str(records), startup_window="end") == 7.0
+    assert measure.window_held == [True]
+    assert not holds_startup_window("cuda-3")
+
+
+@pytest.mark.usefixtures("window_env")
+def test_the_kv_profile_read_releases_the_window_when_the_measure_raises(
+        records: Path) -> None:
+    elastic_free_memory_gb(WindowSeen(), "cuda", 0, elastic=True,
+                           records_directory=str(records), startup_window="begin")
+    with pytest.raises(RuntimeError, match="measure failed"):
+        elastic_free_memory_gb(WindowSeen(fails=True), "cuda", 0, elastic=True,
+                               records_directory=str(records), startup_window="end")
+    assert not holds_startup_window("cuda-3")
+
+
+@pytest.mark.usefixtures("window_env")
+@pytest.mark.parametrize(("device", "elastic", "windows"), [
+    ("cuda", False, ("begin", "end")),  # stock
+    ("cpu", True, ("begin", "end")),
+    ("cuda", True, (None,)),  # a draft worker's pre-load read
+])
+def test_stock_and_cpu_engines_take_no_window_and_wait_for_none(
+        records: Path, device: str, elastic: bool, windows: tuple[str | None, ...]) -> None:
+    neighbour = SGLangEngine(records)
+    try:
+        neighbour.read("begin")
+        measure = WindowSeen()
+        started = time.monotonic()
+        for window in windows:
+            elastic_free_memory_gb(measure, device, 0, elastic=elastic,
+                                   records_directory=str(records), startup_window=window)
+        assert time.monotonic() - started < 5  # the neighbour's window is not waited for
+        assert measure.window_held == [False] * len(windows)
+        assert not holds_startup_window("cuda-3")
+    finally:
+        neighbour.stop()
+
+
+@pytest.mark.usefixtures("window_env")
+def test_a_second_engines_pre_load_read_waits_until_the_first_has_profiled(
+        records: Path) -> None:
+    first = SGLangEngine(records)
+    try:
+        first.read("begin")
+        measure = WindowSeen()
+        second = threading.Thread(target=elastic_free_memory_gb, args=(measure, "cuda", 0),
+                                  kwargs={"elastic": True, "records_directory": str(records),
+                                          "startup_window": "begin"}, daemon=True)
+        second.start()
+        time.sleep(0.5)
+        assert second.is_alive() and measure.window_held == []  # not measured yet
+        first.read("end")
+        second.join(10)
+        assert not second.is_alive()
+        assert measure.window_held == [True]
+    finally:
+        first.stop()
+
+
+@pytest.mark.usefixtures("window_env")
+def test_a_holder_that_never_profiles_delays_the_pre_load_read_by_the_timeout_only(
+        records: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_START_WINDOW_TIMEOUT", "0.5")
+    first = SGLangEngine(records)
+    try:
+        first.read("begin")
+        measure = WindowSeen()
+        started = time.monotonic()
+        assert elastic_free_memory_gb(measure, "cuda", 0, elastic=True,
+                                      records_directory=str(records),
+                                      startup_window="begin") == 10.0
+        assert 0.5 <= time.monotonic() - started < 10
+        assert measure.window_held == [False]
+    finally:
+        first.stop()
+
+
+def test_an_unknown_window_value_is_refused() -> None:
+    with pytest.raises(ValueError, match="startup_window"):
+        elastic_free_memory_gb(Measure(1.0), "cuda", 0, elastic=False, startup_window="open")

@@ -4,12 +4,19 @@ the free-memory figure its start-up checks compare."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.sglang.switch import elastic_enabled, sglang_settings
-from kvcached_core.startup_memory import GIB, neighbour_kv_bytes
+from kvcached_core.startup_memory import (
+    GIB,
+    acquire_startup_window,
+    cuda_device_identity,
+    neighbour_kv_bytes,
+    release_startup_windows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +64,6 @@ def refuse_unsupported(
         )
 
 
-
 def elastic_free_memory_gb(
     measure: Callable[..., float],
     *args: Any,
@@ -66,6 +72,7 @@ def elastic_free_memory_gb(
     elastic: bool | None = None,
     records_directory: str | None = None,
     min_across_ranks: Callable[[float, Any], float] | None = None,
+    startup_window: str | None = None,
     **kwargs: Any,
 ) -> float:
     """The free device memory (GiB) SGLang's start-up sizing sees: its
@@ -87,10 +94,45 @@ def elastic_free_memory_gb(
     device, so on a host with several devices the count can be larger than what this device's
     neighbours hold; that enlarges the pools' address space, not what is mapped (bounded as
     always by the device, `KVCACHED_PHYSICAL_LIMIT` and a shared budget where one is set).
+
+    Both figures are device-wide, so a neighbour that loads its weights between them is
+    charged to this engine. `startup_window` makes elastic engines on one CUDA device take
+    that span in turns: `"begin"` (the pre-load read) waits for the device's start-up window
+    before measuring and keeps it; `"end"` (the KV-profile read) measures, then releases every
+    window this process holds, also when the measure raises. None (a draft worker's pre-load
+    read, which no KV-profile read follows), stock, or a device other than CUDA: no window.
     """
+    if startup_window not in (None, "begin", "end"):
+        raise ValueError(f"startup_window must be 'begin', 'end' or None, not {startup_window!r}")
     is_elastic = elastic_enabled() if elastic is None else elastic
     if not is_elastic:
         return measure(*args, distributed=distributed, cpu_group=cpu_group, **kwargs)
+    if startup_window == "begin":
+        _acquire_window_of(*args, **kwargs)
+    elif startup_window == "end":
+        try:
+            return _elastic_figure_gb(measure, args, kwargs, distributed=distributed,
+                                      cpu_group=cpu_group, records_directory=records_directory,
+                                      min_across_ranks=min_across_ranks)
+        finally:
+            # This engine's last device-wide figure is taken: a neighbour may start measuring.
+            release_startup_windows()
+    return _elastic_figure_gb(measure, args, kwargs, distributed=distributed,
+                              cpu_group=cpu_group, records_directory=records_directory,
+                              min_across_ranks=min_across_ranks)
+
+
+def _elastic_figure_gb(
+    measure: Callable[..., float],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    distributed: bool,
+    cpu_group: Any,
+    records_directory: str | None,
+    min_across_ranks: Callable[[float, Any], float] | None,
+) -> float:
+    """This rank's figure plus live elastic neighbours' KV, reduced across ranks if asked."""
     local_gb = measure(*args, distributed=False, cpu_group=cpu_group, **kwargs)
     neighbours = neighbour_kv_bytes(directory=records_directory)
     counted_gb = local_gb + neighbours / GIB
@@ -103,6 +145,19 @@ def elastic_free_memory_gb(
     if distributed:
         counted_gb = (min_across_ranks or _min_across_ranks)(counted_gb, cpu_group)
     return counted_gb
+
+
+def _acquire_window_of(device: Any = None, gpu_id: Any = None, *_: Any, **__: Any) -> None:
+    """Wait for the start-up window of the device SGLang's measure
+    `get_available_gpu_memory(device, gpu_id, ...)` reads (by position or by name; `gpu_id`
+    is this process's CUDA index when `device` is "cuda"), when it is a CUDA device."""
+    if device != "cuda" or gpu_id is None:
+        return
+    settings = sglang_settings()
+    acquire_startup_window(cuda_device_identity(int(gpu_id)),
+                           timeout_s=settings.start_window_timeout_s,
+                           holder=settings.pool_name or f"sglang pid {os.getpid()}",
+                           directory=settings.shm_dir)
 
 
 def _min_across_ranks(value: float, cpu_group: Any) -> float:
