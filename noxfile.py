@@ -25,6 +25,7 @@ ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 FORGE_DEPS = nox.project.dependency_groups(PYPROJECT, "forge")
 TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
+LINT_DEPS = nox.project.dependency_groups(PYPROJECT, "lint")
 # The runtime extension is built without isolation, so its build requirements go in first.
 NATIVE_BUILD_DEPS = ["setuptools>=70", "pybind11>=2.12", "nvidia-cuda-runtime-cu12"]
 PYTHON = "3.11"
@@ -197,7 +198,7 @@ def upgrade_scan(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over the project's own code; mypy over forge/, codemods/, kvcached_core/ and ci/;
     actionlint over the generated workflows in .github/workflows/."""
-    session.install("ruff>=0.6", "mypy>=1.10", *FORGE_DEPS, "prometheus_client>=0.17")
+    session.install(*LINT_DEPS, *FORGE_DEPS, "prometheus_client>=0.17")
     session.run("ruff", "check", ".")
     session.run("mypy")  # files and options: [tool.mypy] in pyproject.toml
     workflows = sorted(glob.glob(str(ROOT / ".github" / "workflows" / "*.yml")))

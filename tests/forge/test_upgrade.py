@@ -486,7 +486,8 @@ def test_reviewed_diff_mismatch_names_the_file_that_differs_not_provenance(
         check_reviewed_diff(cell, "vllm", only_provenance, reviewed)
 
 
-def test_readme_upgrade_lines_name_a_session_and_arguments_the_cli_takes() -> None:
+def test_readme_upgrade_lines_name_a_session_and_arguments_the_cli_takes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
     import re
     import shlex
@@ -501,6 +502,9 @@ def test_readme_upgrade_lines_name_a_session_and_arguments_the_cli_takes() -> No
              for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
              for line in block.splitlines() if line.startswith("nox -s upgrade")]
     assert lines == ["nox -s upgrade-scan", "nox -s upgrade-check -- vllm latest"]
+    # An empty registry of its own: loading the noxfile again into nox's process-wide one
+    # re-registers every session, one warning each.
+    monkeypatch.setattr(nox.registry, "_REGISTRY", {})
     spec = importlib.util.spec_from_file_location("upgrade_noxfile", root / "noxfile.py")
     assert spec is not None and spec.loader is not None
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
