@@ -91,6 +91,7 @@ CODEMODS: list[CodemodDeclaration] = [
             "artifact and sha256, transforms, patch-set fingerprint).",
         retire_when="Never: vendor-specific; it exists because these wheels are ours.",
         codemod=WriteProvenanceModule,
+        writes_build_facts=True,
         forwarded="not-needed",
         last_update="2026-11-30",
     ),

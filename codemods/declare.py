@@ -36,6 +36,11 @@ class CodemodDeclaration:
     codemod: type[HitCountingCodemod]
     #: Further seams the same rewrite satisfies (one shared allocation for two runners).
     also_covers: tuple[str, ...] = ()
+    #: The rewrite writes facts of the build (version, base wheel, sha256) into the engine, so
+    #: its output differs between a cell's wheels even where their sources are the same; every
+    #: other codemod's output is a function of its target file alone, and a build runs it once
+    #: per distinct file (forge/transforms.py, `CodemodMemo`).
+    writes_build_facts: bool = False
     forwarded: str = ""
     last_update: str = ""
 

