@@ -13,8 +13,13 @@ from codemods.declare import ANY_ENGINE, CodemodDeclaration, RequiredSeam
 from codemods.provenance import WriteProvenanceModule
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
+from codemods.sglang.allocators_free_group_flag import (
+    ElasticPagedAllocatorFreeGroupFlag,
+    ElasticTokenAllocatorFreeGroupFlag,
+)
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
+from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
 from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
 from codemods.sglang.pool_mla import ElasticMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
@@ -116,25 +121,32 @@ CODEMODS: list[CodemodDeclaration] = [
 # hold while this engine starts as memory they give back: if neighbours are in a burst at the
 # same time as this engine, the same out-of-memory path is taken until they shrink.
 
-_SGLANG_CELLS = ">=0.5.20,<0.5.24"
+_SGLANG_CELLS = ">=0.5.16,<0.5.24"
+# The allocators' API and the configurator's settings: 0.5.16 has the free-group flag,
+# backup_state / restore_state and ServerArgs on the configurator; from 0.5.20 `free_group is
+# None`, free_segment / free_page_ids and get_exec(). 0.5.17 - 0.5.19 lie between the two (no
+# cell): no variant covers their allocators or config guard, so the registry refuses them.
+_SGLANG_NEWER_API = ">=0.5.20,<0.5.24"
+_SGLANG_FREE_GROUP_FLAG = ">=0.5.16,<0.5.17"
 # K and V of a layer: one fused allocation from 0.5.23, apart before (each variant also checks
 # the release's source for its layout, codemods/sglang/_kv_layout.py).
 _SGLANG_FUSED_KV = ">=0.5.23,<0.5.24"
-_SGLANG_SEPARATE_KV = ">=0.5.20,<0.5.23"
+_SGLANG_SEPARATE_KV = ">=0.5.16,<0.5.23"
 # The pre-load free-memory read: its own function from 0.5.21, inside init_torch_distributed
 # before.
 _SGLANG_PRE_LOAD_MEASURE = ">=0.5.21,<0.5.24"
-_SGLANG_PRE_LOAD_AT_INIT = ">=0.5.20,<0.5.21"
+_SGLANG_PRE_LOAD_AT_INIT = ">=0.5.16,<0.5.21"
 _SGLANG_DATE = "2026-11-30"
 _SGLANG_LAYOUT_DATE = "2026-12-02"
 _SGLANG_WINDOW_DATE = "2026-12-02"
+_SGLANG_0516_DATE = "2026-12-02"
 
 CODEMODS += [
     CodemodDeclaration(
         id="sglang-token-allocator",
         seam="token-allocator",
         engine="sglang",
-        versions=_SGLANG_CELLS,
+        versions=_SGLANG_NEWER_API,
         anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator",
         targets=("{package}/srt/mem_cache/allocator/token.py",),
         expected_hits=1,
@@ -148,10 +160,29 @@ CODEMODS += [
         last_update=_SGLANG_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-token-allocator-free-group-flag",
+        seam="token-allocator",
+        engine="sglang",
+        versions=_SGLANG_FREE_GROUP_FLAG,
+        anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator (clear resets "
+               "is_not_in_free_group)",
+        targets=("{package}/srt/mem_cache/allocator/token.py",),
+        expected_hits=1,
+        why="The same elastic slots as sglang-token-allocator for 0.5.16's API: a free group "
+            "is the is_not_in_free_group flag, free is the only free path and the base class "
+            "has backup_state / restore_state, each of which touches the free lists; the "
+            "mixin routes all of them through the ledger (a restore gives back what was "
+            "allocated since its backup).",
+        retire_when="The oldest SGLang cell has free_page_ids and `free_group is None` (0.5.20).",
+        codemod=ElasticTokenAllocatorFreeGroupFlag,
+        forwarded="no",
+        last_update=_SGLANG_0516_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-paged-allocator",
         seam="paged-allocator",
         engine="sglang",
-        versions=_SGLANG_CELLS,
+        versions=_SGLANG_NEWER_API,
         anchor="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator",
         targets=("{package}/srt/mem_cache/allocator/paged.py",),
         expected_hits=1,
@@ -163,6 +194,25 @@ CODEMODS += [
         codemod=ElasticPagedAllocator,
         forwarded="no",
         last_update=_SGLANG_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-paged-allocator-free-group-flag",
+        seam="paged-allocator",
+        engine="sglang",
+        versions=_SGLANG_FREE_GROUP_FLAG,
+        anchor="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator (clear "
+               "resets is_not_in_free_group)",
+        targets=("{package}/srt/mem_cache/allocator/paged.py",),
+        expected_hits=1,
+        why="The same elastic pages as sglang-paged-allocator for 0.5.16's API: free stages "
+            "freed pages in release_pages (no free_segment, free_page_ids or "
+            "_release_page_ids yet), a free group is the is_not_in_free_group flag and the "
+            "base class has backup_state / restore_state; the mixin frees whole pages to the "
+            "ledger and routes the group and the backup through it.",
+        retire_when="The oldest SGLang cell has free_page_ids and `free_group is None` (0.5.20).",
+        codemod=ElasticPagedAllocatorFreeGroupFlag,
+        forwarded="no",
+        last_update=_SGLANG_0516_DATE,
     ),
     CodemodDeclaration(
         id="sglang-mha-pool",
@@ -264,9 +314,9 @@ CODEMODS += [
                "get_available_gpu_memory(..., distributed=..., cpu_group=...)",
         targets=("{package}/srt/distributed/bootstrap.py",),
         expected_hits=1,
-        why="The same pre-load figure as sglang-startup-free-memory, read where 0.5.20 reads "
-            "it (0.5.21 moved it to measure_pre_model_load_memory); it opens the device's "
-            "start-up window the same way.",
+        why="The same pre-load figure as sglang-startup-free-memory, read where 0.5.16 - "
+            "0.5.20 read it (0.5.21 moved it to measure_pre_model_load_memory); it opens the "
+            "device's start-up window the same way.",
         retire_when="The oldest SGLang cell reads it in measure_pre_model_load_memory.",
         codemod=ElasticPreModelLoadMemoryAtInit,
         forwarded="no",
@@ -297,7 +347,7 @@ CODEMODS += [
         id="sglang-refuse-unsupported",
         seam="config-guard",
         engine="sglang",
-        versions=_SGLANG_CELLS,
+        versions=_SGLANG_NEWER_API,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
         expected_hits=1,
@@ -308,6 +358,23 @@ CODEMODS += [
         codemod=RefuseUnsupportedAtConfigure,
         forwarded="not-needed",
         last_update=_SGLANG_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-server-args",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_FREE_GROUP_FLAG,
+        anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure "
+               "(server_args field, no get_exec)",
+        targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported where the configurator still holds the "
+            "ServerArgs: 0.5.16 has no get_exec(), so the memory-saver flag is read from "
+            "self.server_args.",
+        retire_when="The oldest SGLang cell reads its settings through get_exec() (0.5.20).",
+        codemod=RefuseUnsupportedAtConfigureServerArgs,
+        forwarded="not-needed",
+        last_update=_SGLANG_0516_DATE,
     ),
     CodemodDeclaration(
         id="sglang-prefix-cache-bound",

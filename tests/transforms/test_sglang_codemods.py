@@ -16,13 +16,19 @@ from codemods.base import BuildContext, HitCountingCodemod
 from codemods.catalog import CODEMODS
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
+from codemods.sglang.allocators_free_group_flag import (
+    ElasticPagedAllocatorFreeGroupFlag,
+    ElasticTokenAllocatorFreeGroupFlag,
+)
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
+from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
 from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
 from codemods.sglang.pool_mla import ElasticMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
 from codemods.sglang.startup_memory import ElasticPreModelLoadMemory
 from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
+from forge.errors import TransformError
 from forge.registry import default_registry
 
 BUILD = BuildContext(
@@ -62,6 +68,9 @@ def test_every_fixture_names_a_registered_sglang_transform() -> None:
 
 
 TOKEN = fixture("sglang-token-allocator")
+TOKEN_0516 = fixture("sglang-token-allocator-free-group-flag")
+PAGED_0516 = fixture("sglang-paged-allocator-free-group-flag")
+GUARD_0516 = fixture("sglang-refuse-unsupported-server-args")
 
 
 def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> None:
@@ -84,6 +93,26 @@ def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> N
     (ElasticMHAPool, fixture("sglang-mha-pool").replace(
         "self.v_buffer = [buf[1, :rows] for buf in fused]", "self.v_buffer = fused")),
     (ElasticMLAPool, "class MLATokenToKVPool:\n    def __init__(self): ...\n"),
+    # each allocator API refuses the other's classes: 0.5.16 has no free_page_ids, 0.5.20
+    # no free-group flag
+    (ElasticTokenAllocator, TOKEN_0516),
+    (ElasticPagedAllocator, PAGED_0516),
+    (ElasticTokenAllocatorFreeGroupFlag, TOKEN),
+    (ElasticPagedAllocatorFreeGroupFlag, fixture("sglang-paged-allocator")),
+    # 0.5.19 replaced the flag by `free_group is None`: the flag variants no longer fit
+    (ElasticTokenAllocatorFreeGroupFlag,
+     TOKEN_0516.replace("self.is_not_in_free_group = True", "self.free_group = None")),
+    (ElasticPagedAllocatorFreeGroupFlag,
+     PAGED_0516.replace("self.is_not_in_free_group = True", "self.free_group = None")),
+    # a free path the flag mixins do not override (0.5.17's free_segment) would bypass them
+    (ElasticPagedAllocatorFreeGroupFlag,
+     PAGED_0516 + "\n    def free_segment(self, free_index, *, start_pos): ...\n"),
+    (ElasticTokenAllocatorFreeGroupFlag,
+     TOKEN_0516 + "\n    def free_page_ids(self, page_ids): ...\n"),
+    # the ServerArgs guard needs the configurator's server_args and no get_exec() settings
+    (RefuseUnsupportedAtConfigureServerArgs, fixture("sglang-refuse-unsupported")),
+    (RefuseUnsupportedAtConfigureServerArgs,
+     "from sglang.srt.runtime_context import get_exec\n" + GUARD_0516),
 ])
 def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCodemod],
                                                    source: str) -> None:
@@ -102,6 +131,9 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (RefuseUnsupportedAtConfigure, "sglang-refuse-unsupported"),
     (BoundPrefixCacheOnRelease, "sglang-prefix-cache-bound"),
     (ElasticPreModelLoadMemoryAtInit, "sglang-startup-free-memory-at-init"),
+    (ElasticTokenAllocatorFreeGroupFlag, "sglang-token-allocator-free-group-flag"),
+    (ElasticPagedAllocatorFreeGroupFlag, "sglang-paged-allocator-free-group-flag"),
+    (RefuseUnsupportedAtConfigureServerArgs, "sglang-refuse-unsupported-server-args"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
                                             transform_id: str) -> None:
@@ -114,7 +146,11 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
             (ElasticMHAPool, "sglang-mha-pool", "MHATokenToKVPool"),
             (ElasticMHASeparateKVPool, "sglang-mha-pool-separate-kv", "MHATokenToKVPool"),
             (ElasticMLAPool, "sglang-mla-pool", "MLATokenToKVPool"),
-            (ElasticPagedAllocator, "sglang-paged-allocator", "PagedTokenToKVPoolAllocator")]:
+            (ElasticPagedAllocator, "sglang-paged-allocator", "PagedTokenToKVPoolAllocator"),
+            (ElasticTokenAllocatorFreeGroupFlag, "sglang-token-allocator-free-group-flag",
+             "TokenToKVPoolAllocator"),
+            (ElasticPagedAllocatorFreeGroupFlag, "sglang-paged-allocator-free-group-flag",
+             "PagedTokenToKVPoolAllocator")]:
         body = fixture(transform_id).split(f"class {cls}", 1)[1].split("\nclass ", 1)[0]
         for name in codemod.REQUIRED_METHODS:
             assert f"def {name}(" in body, (transform_id, name)
@@ -129,21 +165,37 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
     sglang = {t.id: t for t in CODEMODS if t.engine == "sglang"}
     pools = {"sglang-mha-pool", "sglang-mha-pool-separate-kv"}
     pre_load = {"sglang-startup-free-memory", "sglang-startup-free-memory-at-init"}
+    newer_api = {"sglang-token-allocator", "sglang-paged-allocator",
+                 "sglang-refuse-unsupported"}
+    older_api = {"sglang-token-allocator-free-group-flag",
+                 "sglang-paged-allocator-free-group-flag",
+                 "sglang-refuse-unsupported-server-args"}
     assert set(sglang) == {
-        "sglang-token-allocator", "sglang-paged-allocator", "sglang-mla-pool",
-        "sglang-kv-budget", "sglang-refuse-unsupported", "sglang-prefix-cache-bound",
-        "sglang-kv-profile-free-memory", *pools, *pre_load,
+        "sglang-mla-pool", "sglang-kv-budget", "sglang-prefix-cache-bound",
+        "sglang-kv-profile-free-memory", *pools, *pre_load, *newer_api, *older_api,
     }
     variants = {
-        "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory"},
-        "0.5.22": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory"},
-        "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory"},
-        "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init"},
+        "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory", *newer_api},
+        "0.5.22": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api},
+        "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api},
+        "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
+                   *newer_api},
+        "0.5.16": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
+                   *older_api},
     }
     for version, chosen in variants.items():
         applying = {t.id for t in sglang.values() if t.applies_to("sglang", version)}
-        assert applying == (set(sglang) - pools - pre_load) | chosen, version
+        assert applying == (set(sglang) - pools - pre_load - newer_api - older_api) | chosen, (
+            version)
     for transform in sglang.values():
-        assert not transform.applies_to("sglang", "0.5.19")
+        assert not transform.applies_to("sglang", "0.5.15")
         assert not transform.applies_to("sglang", "0.5.24")
         assert not transform.applies_to("vllm", "0.5.23")
+    # 0.5.17 - 0.5.19 have neither allocator API (and no cell): nothing covers their
+    # allocators or config guard, so a cell of one is refused.
+    for version in ("0.5.17", "0.5.18", "0.5.19"):
+        assert not {t.id for t in sglang.values() if t.applies_to("sglang", version)} & (
+            newer_api | older_api), version
+        with pytest.raises(TransformError, match="token-allocator, paged-allocator, "
+                                                 "config-guard have no transform"):
+            default_registry().select(f"sglang-{version}", "sglang", version, version)

@@ -26,9 +26,9 @@ never given to SGLang) and handed back as soon as SGLang holds no block at all.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvcached_core.errors import KVCachedConfigError, PoolExhausted
+from kvcached_core.errors import KVCachedConfigError, PoolExhausted, StateConsistencyError
 from kvcached_core.integration.sglang.pools import kvcached_pool_of, refuse_unless_leaf
 from kvcached_core.integration.sglang.prefix_cache import shares_prefixes
 
@@ -115,6 +115,50 @@ class _ElasticLedger:
         return min(logical, now, headroom)
 
 
+class AllocationsSinceBackup:
+    """What `backup_state()` returns: the page ids taken since, that are still held."""
+
+    def __init__(self) -> None:
+        self.page_ids: set[int] = set()
+
+
+class _JournaledLedger(_ElasticLedger):
+    """A ledger that can undo what was taken since the last backup (the allocators'
+    `backup_state` / `restore_state`, which SGLang has up to 0.5.16)."""
+
+    def __init__(self, pool: KVPool, num_pages: int) -> None:
+        super().__init__(pool, num_pages)
+        self.journal: AllocationsSinceBackup | None = None
+
+    def take(self, count: int) -> list[int] | None:
+        ids = super().take(count)
+        if ids and self.journal is not None:
+            self.journal.page_ids.update(ids)
+        return ids
+
+    def give_back(self, ids: list[int]) -> None:
+        if self.journal is not None:
+            self.journal.page_ids.difference_update(ids)
+        super().give_back(ids)
+
+    def reset(self) -> None:
+        super().reset()
+        self.journal = None
+
+    def open_journal(self) -> AllocationsSinceBackup:
+        self.journal = AllocationsSinceBackup()
+        return self.journal
+
+    def undo(self, state: object) -> None:
+        """Give back what was taken since the backup `state` (frees made since stand)."""
+        if state is not self.journal or self.journal is None:
+            raise StateConsistencyError(
+                "kvcached: restore_state() of a state that is not the allocator's last "
+                "backup_state() (a clear() or a later backup came between)"
+            )
+        self.give_back(sorted(self.journal.page_ids))
+
+
 @functools.cache
 def _limited_prefill_budget() -> type:
     """SGLang's PrefillBudget whose free capacity leaves out what the physical limit withholds
@@ -139,6 +183,7 @@ class _ElasticAllocatorCommon:
     """What the token and paged elastic allocators share (stock attributes kept)."""
 
     _kvcached: _ElasticLedger | None = None
+    _kvcached_ledger_type: ClassVar[type[_ElasticLedger]] = _ElasticLedger
 
     def _attach_ledger(self) -> _ElasticLedger:
         allocator: Any = self
@@ -146,7 +191,7 @@ class _ElasticAllocatorCommon:
         num_pages = allocator.size // allocator.page_size
         if ledger is None:
             refuse_unless_leaf(self, "token allocator")
-            ledger = _ElasticLedger(kvcached_pool_of(allocator._kvcache), num_pages)
+            ledger = self._kvcached_ledger_type(kvcached_pool_of(allocator._kvcache), num_pages)
             self._kvcached = ledger
         else:
             if num_pages + 1 > ledger.pool.num_blocks:
@@ -320,3 +365,76 @@ class ElasticPagedAllocatorMixin(_ElasticAllocatorCommon):
         for chunk in page_ids:
             ids += chunk.tolist()
         self._kvcached.give_back(ids)
+
+
+# ---------------------------------------------------------------- releases up to 0.5.16
+# Their allocators mark a free group with the `is_not_in_free_group` flag (the base class's
+# free_group_begin / free_group_end set it; `free_group` stays a list), have neither
+# free_segment nor free_page_ids (every free is `free`), keep backup_state / restore_state on
+# the base class, and the paged allocator stages freed pages in `release_pages`. Each of those
+# stock methods reads or writes the free lists directly, so the elastic classes route them
+# through the ledger instead.
+
+
+class _ElasticBackupStateMixin(_ElasticAllocatorCommon):
+    """`backup_state` / `restore_state` over the ledger: a restore gives back what was
+    allocated since its backup."""
+
+    _kvcached_ledger_type = _JournaledLedger
+
+    def backup_state(self) -> AllocationsSinceBackup:
+        ledger = self._kvcached
+        assert isinstance(ledger, _JournaledLedger)
+        return ledger.open_journal()
+
+    def restore_state(self, state: object) -> None:
+        ledger = self._kvcached
+        assert isinstance(ledger, _JournaledLedger)
+        ledger.undo(state)
+
+
+class ElasticTokenAllocatorFreeGroupFlagMixin(_ElasticBackupStateMixin,
+                                              ElasticTokenAllocatorMixin):
+    """TokenToKVPoolAllocator of a release whose free group is the `is_not_in_free_group`
+    flag and which has backup_state / restore_state (0.5.16)."""
+
+    def clear(self) -> None:
+        super().clear()
+        allocator: Any = self
+        allocator.is_not_in_free_group = True
+        allocator.free_group = []
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        allocator: Any = self
+        if allocator.is_not_in_free_group:
+            assert self._kvcached is not None
+            self._kvcached.give_back(free_index.tolist())
+        else:
+            allocator.free_group.append(free_index)
+
+
+class ElasticPagedAllocatorFreeGroupFlagMixin(_ElasticBackupStateMixin,
+                                              ElasticPagedAllocatorMixin):
+    """PagedTokenToKVPoolAllocator of a release whose free group is the
+    `is_not_in_free_group` flag, whose only free path is `free` (pages staged in
+    `release_pages`) and which has backup_state / restore_state (0.5.16)."""
+
+    def clear(self) -> None:
+        super().clear()
+        allocator: Any = self
+        allocator.is_not_in_free_group = True
+        allocator.free_group = []
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        import torch
+
+        allocator: Any = self
+        if allocator.is_not_in_free_group:
+            # Any slot of a page frees the whole page, as in the stock free.
+            self._release_page_ids(torch.unique(free_index // allocator.page_size))
+        else:
+            allocator.free_group.append(free_index)
