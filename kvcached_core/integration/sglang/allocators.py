@@ -393,16 +393,21 @@ class _ElasticBackupStateMixin(_ElasticAllocatorCommon):
         ledger.undo(state)
 
 
-class ElasticTokenAllocatorFreeGroupFlagMixin(_ElasticBackupStateMixin,
-                                              ElasticTokenAllocatorMixin):
-    """TokenToKVPoolAllocator of a release whose free group is the `is_not_in_free_group`
-    flag and which has backup_state / restore_state (0.5.16)."""
+class _ElasticFreeGroupFlagMixin(_ElasticBackupStateMixin):
+    """A clear() that leaves the allocator outside any free group, as the stock one does.
+    Mixed in before the token or paged mixin, whose clear() its super() reaches."""
 
     def clear(self) -> None:
-        super().clear()
+        super().clear()  # type: ignore[misc]  # the token / paged mixin next in the MRO
         allocator: Any = self
         allocator.is_not_in_free_group = True
         allocator.free_group = []
+
+
+class ElasticTokenAllocatorFreeGroupFlagMixin(_ElasticFreeGroupFlagMixin,
+                                              ElasticTokenAllocatorMixin):
+    """TokenToKVPoolAllocator of a release whose free group is the `is_not_in_free_group`
+    flag and which has backup_state / restore_state (0.5.16)."""
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
@@ -415,17 +420,11 @@ class ElasticTokenAllocatorFreeGroupFlagMixin(_ElasticBackupStateMixin,
             allocator.free_group.append(free_index)
 
 
-class ElasticPagedAllocatorFreeGroupFlagMixin(_ElasticBackupStateMixin,
+class ElasticPagedAllocatorFreeGroupFlagMixin(_ElasticFreeGroupFlagMixin,
                                               ElasticPagedAllocatorMixin):
     """PagedTokenToKVPoolAllocator of a release whose free group is the
     `is_not_in_free_group` flag, whose only free path is `free` (pages staged in
     `release_pages`) and which has backup_state / restore_state (0.5.16)."""
-
-    def clear(self) -> None:
-        super().clear()
-        allocator: Any = self
-        allocator.is_not_in_free_group = True
-        allocator.free_group = []
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
