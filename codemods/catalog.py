@@ -12,19 +12,40 @@ from __future__ import annotations
 from codemods.declare import ANY_ENGINE, CodemodDeclaration, RequiredSeam
 from codemods.provenance import WriteProvenanceModule
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
+from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocators_free_group_flag import (
     ElasticPagedAllocatorFreeGroupFlag,
     ElasticTokenAllocatorFreeGroupFlag,
 )
+from codemods.sglang.allocators_one_module import ElasticPagedAllocatorCountsItsPages
 from codemods.sglang.capacity import KVBudgetCapacity
+from codemods.sglang.capacity_model_runner import KVBudgetCapacityModelRunner
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
+from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMemoryPool
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
+from codemods.sglang.model_runner_sizing import (
+    ElasticKVProfileMemoryRunner,
+    KVBudgetCapacityRunner,
+    RefuseUnsupportedAtRunnerInitMemoryPool,
+    RefuseUnsupportedAtRunnerInitMemoryPoolBeforeMamba,
+)
 from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
+from codemods.sglang.pool_mha_inline import ElasticMHAInlineBuffersPool
 from codemods.sglang.pool_mla import ElasticMLAPool
+from codemods.sglang.pool_mla_inline import RefuseInlineMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
+from codemods.sglang.prefix_cache_bound_tree import BoundRadixTreeOnFinishedRequest
+from codemods.sglang.profile_max_num_token import (
+    ElasticKVProfileMemoryTokens,
+    KVBudgetCapacityTokens,
+)
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
+from codemods.sglang.startup_memory_model_runner import (
+    ElasticKVProfileMemoryModelRunner,
+    ElasticPreModelLoadMemoryModelRunner,
+)
 from codemods.vllm import allocate_slots as _vllm_allocate_slots
 from codemods.vllm import block_pool as _vllm_block_pool
 from codemods.vllm import engine_core as _vllm_engine_core
@@ -121,25 +142,57 @@ CODEMODS: list[CodemodDeclaration] = [
 # hold while this engine starts as memory they give back: if neighbours are in a burst at the
 # same time as this engine, the same out-of-memory path is taken until they shrink.
 
-_SGLANG_CELLS = ">=0.5.16,<0.5.24"
-# The allocators' API and the configurator's settings: 0.5.16 has the free-group flag,
-# backup_state / restore_state and ServerArgs on the configurator; from 0.5.20 `free_group is
-# None`, free_segment / free_page_ids and get_exec(). 0.5.17 - 0.5.19 lie between the two (no
-# cell): no variant covers their allocators or config guard, so the registry refuses them.
+_SGLANG_CELLS = ">=0.5.10,<0.5.24"
+# Up to 0.5.5 the MLA pool allocates its latent buffers in __init__ (refused when elastic) and
+# each radix tree releases a finished request in its own cache_finished_req (no
+# release_kv_cache in mem_cache/common.py).
+_SGLANG_INLINE_MLA = ">=0.4.10,<0.5.6"
+_SGLANG_TREE_RELEASE = ">=0.4.10,<0.5.6"
+# The allocators' API and the configurator's settings: 0.5.10 - 0.5.16 have the free-group
+# flag and backup_state / restore_state, and 0.5.16's configurator holds the ServerArgs; from
+# 0.5.20 `free_group is None`, free_segment / free_page_ids and get_exec(). 0.5.17 - 0.5.19
+# lie between the two (no cell): no variant covers their allocators or config guard, so the
+# registry refuses them. Both allocators live in mem_cache/allocator.py up to 0.5.12 (a package
+# from 0.5.13), and the paged alloc_extend takes the batch's new-page count from 0.5.12.
 _SGLANG_NEWER_API = ">=0.5.20,<0.5.24"
-_SGLANG_FREE_GROUP_FLAG = ">=0.5.16,<0.5.17"
-# K and V of a layer: one fused allocation from 0.5.23, apart before (each variant also checks
-# the release's source for its layout, codemods/sglang/_kv_layout.py).
+_SGLANG_FREE_GROUP_FLAG = ">=0.5.13,<0.5.17"
+_SGLANG_ALLOCATOR_MODULE = ">=0.4.10,<0.5.13"
+_SGLANG_PAGED_COUNTS_ITS_PAGES = ">=0.5.3,<0.5.12"
+# Up to 0.5.2 the paged alloc_extend / alloc_decode take the batch's lengths on the device only.
+_SGLANG_PAGED_DEVICE_LENGTHS = ">=0.4.10,<0.5.3"
+# Who sizes the pools: KVCacheConfigurator (kv_cache_configurator.py) from 0.5.16, the model
+# runner's KV mixin (model_runner_kv_cache_mixin.py) before; the capacity, both KV-profile
+# reads and the config guard follow it. Up to 0.5.10 the mixin profiles a token count
+# (profile_max_num_token), from 0.5.11 a byte budget (_profile_available_bytes). Up to 0.5.6
+# ModelRunner itself sizes the pools (model_runner.py); its config guard names the Mamba pools
+# that came in 0.5.2 (the runner's mambaish_config) from 0.5.5, sliding-window hybrids alone
+# before.
+_SGLANG_CONFIGURATOR = ">=0.5.16,<0.5.24"
+_SGLANG_CONFIGURATOR_SERVER_ARGS = ">=0.5.16,<0.5.17"
+_SGLANG_MODEL_RUNNER = ">=0.5.10,<0.5.16"
+_SGLANG_RUNNER_SIZING = ">=0.4.10,<0.5.7"
+_SGLANG_RUNNER_GUARD = ">=0.5.5,<0.5.7"
+_SGLANG_RUNNER_GUARD_BEFORE_MAMBA = ">=0.4.10,<0.5.2"
+_SGLANG_RUNNER_PRE_LOAD = ">=0.4.10,<0.5.16"
+_SGLANG_MODEL_RUNNER_KV = ">=0.5.11,<0.5.16"
+_SGLANG_PROFILE_TOKENS = ">=0.5.10,<0.5.11"
+# K and V of a layer: one fused allocation from 0.5.23, apart before; 0.5.16 - 0.5.22 allocate
+# them in _create_buffers_normal, earlier releases inline in _create_buffers (each variant also
+# checks the release's source for its layout, codemods/sglang/_kv_layout.py).
 _SGLANG_FUSED_KV = ">=0.5.23,<0.5.24"
 _SGLANG_SEPARATE_KV = ">=0.5.16,<0.5.23"
-# The pre-load free-memory read: its own function from 0.5.21, inside init_torch_distributed
-# before.
+_SGLANG_INLINE_KV = ">=0.4.10,<0.5.16"
+# The pre-load free-memory read: its own function from 0.5.21, inside bootstrap.py's
+# init_torch_distributed from 0.5.16, inside ModelRunner.init_torch_distributed before.
 _SGLANG_PRE_LOAD_MEASURE = ">=0.5.21,<0.5.24"
 _SGLANG_PRE_LOAD_AT_INIT = ">=0.5.16,<0.5.21"
 _SGLANG_DATE = "2026-11-30"
 _SGLANG_LAYOUT_DATE = "2026-12-02"
 _SGLANG_WINDOW_DATE = "2026-12-02"
 _SGLANG_0516_DATE = "2026-12-02"
+_SGLANG_0513_DATE = "2026-12-02"
+_SGLANG_0510_DATE = "2026-12-02"
+_SGLANG_055_DATE = "2026-12-02"
 
 CODEMODS += [
     CodemodDeclaration(
@@ -179,6 +232,22 @@ CODEMODS += [
         last_update=_SGLANG_0516_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-token-allocator-one-module",
+        seam="token-allocator",
+        engine="sglang",
+        versions=_SGLANG_ALLOCATOR_MODULE,
+        anchor="sglang.srt.mem_cache.allocator.TokenToKVPoolAllocator (clear resets "
+               "is_not_in_free_group)",
+        targets=("{package}/srt/mem_cache/allocator.py",),
+        expected_hits=1,
+        why="sglang-token-allocator-free-group-flag where both allocators live in "
+            "mem_cache/allocator.py (a package from 0.5.13): the same API, the same mixin.",
+        retire_when="The oldest SGLang cell has the mem_cache/allocator package (0.5.13).",
+        codemod=ElasticTokenAllocatorFreeGroupFlag,
+        forwarded="no",
+        last_update=_SGLANG_0510_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-paged-allocator",
         seam="paged-allocator",
         engine="sglang",
@@ -213,6 +282,43 @@ CODEMODS += [
         codemod=ElasticPagedAllocatorFreeGroupFlag,
         forwarded="no",
         last_update=_SGLANG_0516_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-paged-allocator-counts-its-pages",
+        seam="paged-allocator",
+        engine="sglang",
+        versions=_SGLANG_PAGED_COUNTS_ITS_PAGES,
+        anchor="sglang.srt.mem_cache.allocator.PagedTokenToKVPoolAllocator (clear resets "
+               "is_not_in_free_group; alloc_extend without num_new_pages)",
+        targets=("{package}/srt/mem_cache/allocator.py",),
+        expected_hits=1,
+        why="sglang-paged-allocator-free-group-flag where the paged allocator lives in "
+            "mem_cache/allocator.py and its alloc_extend counts the batch's new pages itself "
+            "(no num_new_pages parameter before 0.5.12): the mixin stages that many ledger "
+            "pages and calls the stock method without the count.",
+        retire_when="The oldest SGLang cell's alloc_extend takes num_new_pages (0.5.12).",
+        codemod=ElasticPagedAllocatorCountsItsPages,
+        forwarded="no",
+        last_update=_SGLANG_0510_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-paged-allocator-device-lengths",
+        seam="paged-allocator",
+        engine="sglang",
+        versions=_SGLANG_PAGED_DEVICE_LENGTHS,
+        anchor="sglang.srt.mem_cache.allocator.PagedTokenToKVPoolAllocator (clear resets "
+               "is_not_in_free_group; alloc_extend(prefix_lens, seq_lens, last_loc, "
+               "extend_num_tokens))",
+        targets=("{package}/srt/mem_cache/allocator.py",),
+        expected_hits=1,
+        why="sglang-paged-allocator-counts-its-pages where extend and decode get the batch's "
+            "lengths on the device only (their kernels count the new pages, before 0.5.3): "
+            "the mixin counts them from the same tensors to stage that many ledger pages, "
+            "then calls the stock method with its own arguments.",
+        retire_when="The oldest SGLang cell passes the CPU lengths to alloc_extend (0.5.3).",
+        codemod=ElasticPagedAllocatorDeviceLengths,
+        forwarded="no",
+        last_update=_SGLANG_055_DATE,
     ),
     CodemodDeclaration(
         id="sglang-mha-pool",
@@ -251,6 +357,24 @@ CODEMODS += [
         last_update=_SGLANG_LAYOUT_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-mha-pool-inline-buffers",
+        seam="mha-pool",
+        engine="sglang",
+        versions=_SGLANG_INLINE_KV,
+        anchor="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers (K and V "
+               "allocated apart, inline; no _create_buffers_normal)",
+        targets=("{package}/srt/mem_cache/memory_pool.py",),
+        expected_hits=1,
+        why="Up to 0.5.15 _create_buffers allocates each layer's K and V, (rows, H, D) each, "
+            "and derives the pointer and stride tables SGLang's copy kernels read; the "
+            "buffers must be views of VMM-backed tensors with those shapes and strides and "
+            "the tables must describe them; the AITER vectorized layout is refused.",
+        retire_when="The oldest SGLang cell has _create_buffers_normal (0.5.16).",
+        codemod=ElasticMHAInlineBuffersPool,
+        forwarded="no",
+        last_update=_SGLANG_0513_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-mla-pool",
         seam="mla-pool",
         engine="sglang",
@@ -266,10 +390,28 @@ CODEMODS += [
         last_update=_SGLANG_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-mla-pool-refused-inline",
+        seam="mla-pool",
+        engine="sglang",
+        versions=_SGLANG_INLINE_MLA,
+        anchor="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.__init__ (assigns "
+               "self.kv_buffer; no _create_buffers)",
+        targets=("{package}/srt/mem_cache/memory_pool.py",),
+        expected_hits=1,
+        why="Up to 0.5.5 the MLA pool allocates its latent buffers inside __init__, where no "
+            "method can place them in VMM-backed memory; an elastic engine must stop with "
+            "one line when such a pool is built, before it allocates, rather than run with "
+            "KV memory that is not elastic.",
+        retire_when="The oldest SGLang cell has MLATokenToKVPool._create_buffers (0.5.6).",
+        codemod=RefuseInlineMLAPool,
+        forwarded="not-needed",
+        last_update=_SGLANG_055_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-kv-budget",
         seam="capacity",
         engine="sglang",
-        versions=_SGLANG_CELLS,
+        versions=_SGLANG_CONFIGURATOR,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
                "._profile_available_bytes (each return)",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
@@ -280,6 +422,54 @@ CODEMODS += [
         codemod=KVBudgetCapacity,
         forwarded="no",
         last_update=_SGLANG_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-kv-budget-model-runner",
+        seam="capacity",
+        engine="sglang",
+        versions=_SGLANG_MODEL_RUNNER_KV,
+        anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+               "._profile_available_bytes (each return)",
+        targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
+        expected_hits=1,
+        why="The same budget as sglang-kv-budget where the model runner's KV mixin profiles "
+            "it (before 0.5.16's KVCacheConfigurator).",
+        retire_when="The oldest SGLang cell has KVCacheConfigurator (0.5.16).",
+        codemod=KVBudgetCapacityModelRunner,
+        forwarded="no",
+        last_update=_SGLANG_0513_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-kv-budget-tokens",
+        seam="capacity",
+        engine="sglang",
+        versions=_SGLANG_PROFILE_TOKENS,
+        anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+               ".profile_max_num_token (return <bytes> // cell_size)",
+        targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
+        expected_hits=1,
+        why="The same budget as sglang-kv-budget where the model runner profiles a token "
+            "count: the bytes it divides by the per-token cell size go through the budget.",
+        retire_when="The oldest SGLang cell profiles a byte budget (0.5.11).",
+        codemod=KVBudgetCapacityTokens,
+        forwarded="no",
+        last_update=_SGLANG_0510_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-kv-budget-runner",
+        seam="capacity",
+        engine="sglang",
+        versions=_SGLANG_RUNNER_SIZING,
+        anchor="sglang.srt.model_executor.model_runner.ModelRunner.profile_max_num_token "
+               "(<bytes> // cell_size)",
+        targets=("{package}/srt/model_executor/model_runner.py",),
+        expected_hits=1,
+        why="The same budget as sglang-kv-budget where ModelRunner profiles the token count "
+            "itself (before 0.5.7's KV mixin).",
+        retire_when="The oldest SGLang cell has ModelRunnerKVCacheMixin (0.5.7).",
+        codemod=KVBudgetCapacityRunner,
+        forwarded="no",
+        last_update=_SGLANG_055_DATE,
     ),
     # Start-up free-memory figures: next to elastic neighbours whose memory moves while this
     # engine starts (adapter: integration/sglang/startup.py, elastic_free_memory_gb).
@@ -323,10 +513,27 @@ CODEMODS += [
         last_update=_SGLANG_WINDOW_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-startup-free-memory-model-runner",
+        seam="startup-free-memory",
+        engine="sglang",
+        versions=_SGLANG_RUNNER_PRE_LOAD,
+        anchor="sglang.srt.model_executor.model_runner.ModelRunner.init_torch_distributed: "
+               "get_available_gpu_memory(..., distributed=..., cpu_group=...)",
+        targets=("{package}/srt/model_executor/model_runner.py",),
+        expected_hits=1,
+        why="The same pre-load figure as sglang-startup-free-memory, read where 0.5.13 - "
+            "0.5.15 read it (the model runner's own init_torch_distributed; a draft worker is "
+            "self.is_draft_worker there); it opens the device's start-up window the same way.",
+        retire_when="The oldest SGLang cell reads it in srt/distributed/bootstrap.py (0.5.16).",
+        codemod=ElasticPreModelLoadMemoryModelRunner,
+        forwarded="no",
+        last_update=_SGLANG_0513_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-kv-profile-free-memory",
         seam="kv-profile-free-memory",
         engine="sglang",
-        versions=_SGLANG_CELLS,
+        versions=_SGLANG_CONFIGURATOR,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
                "._profile_available_bytes: get_available_gpu_memory(..., distributed=...)",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
@@ -342,6 +549,56 @@ CODEMODS += [
         codemod=ElasticKVProfileMemory,
         forwarded="no",
         last_update=_SGLANG_WINDOW_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-kv-profile-free-memory-model-runner",
+        seam="kv-profile-free-memory",
+        engine="sglang",
+        versions=_SGLANG_MODEL_RUNNER_KV,
+        anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+               "._profile_available_bytes: get_available_gpu_memory(..., distributed=...)",
+        targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
+        expected_hits=1,
+        why="The same KV-profile figure as sglang-kv-profile-free-memory where the model "
+            "runner's KV mixin reads it (before 0.5.16); it closes the start-up window the "
+            "same way.",
+        retire_when="The oldest SGLang cell has KVCacheConfigurator (0.5.16).",
+        codemod=ElasticKVProfileMemoryModelRunner,
+        forwarded="no",
+        last_update=_SGLANG_0513_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-kv-profile-free-memory-tokens",
+        seam="kv-profile-free-memory",
+        engine="sglang",
+        versions=_SGLANG_PROFILE_TOKENS,
+        anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+               ".profile_max_num_token: get_available_gpu_memory(..., distributed=...)",
+        targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
+        expected_hits=1,
+        why="The same KV-profile figure as sglang-kv-profile-free-memory where the model "
+            "runner profiles a token count (before 0.5.11); it closes the start-up window the "
+            "same way.",
+        retire_when="The oldest SGLang cell profiles a byte budget (0.5.11).",
+        codemod=ElasticKVProfileMemoryTokens,
+        forwarded="no",
+        last_update=_SGLANG_0510_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-kv-profile-free-memory-runner",
+        seam="kv-profile-free-memory",
+        engine="sglang",
+        versions=_SGLANG_RUNNER_SIZING,
+        anchor="sglang.srt.model_executor.model_runner.ModelRunner.profile_max_num_token: "
+               "get_available_gpu_memory(..., distributed=...)",
+        targets=("{package}/srt/model_executor/model_runner.py",),
+        expected_hits=1,
+        why="The same KV-profile figure as sglang-kv-profile-free-memory where ModelRunner "
+            "profiles it itself (before 0.5.7); it closes the start-up window the same way.",
+        retire_when="The oldest SGLang cell has ModelRunnerKVCacheMixin (0.5.7).",
+        codemod=ElasticKVProfileMemoryRunner,
+        forwarded="no",
+        last_update=_SGLANG_055_DATE,
     ),
     CodemodDeclaration(
         id="sglang-refuse-unsupported",
@@ -363,7 +620,7 @@ CODEMODS += [
         id="sglang-refuse-unsupported-server-args",
         seam="config-guard",
         engine="sglang",
-        versions=_SGLANG_FREE_GROUP_FLAG,
+        versions=_SGLANG_CONFIGURATOR_SERVER_ARGS,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure "
                "(server_args field, no get_exec)",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
@@ -375,6 +632,58 @@ CODEMODS += [
         codemod=RefuseUnsupportedAtConfigureServerArgs,
         forwarded="not-needed",
         last_update=_SGLANG_0516_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-model-runner",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_MODEL_RUNNER,
+        anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+               ".init_memory_pool (envs imported, no get_exec)",
+        targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported where the model runner builds the pools "
+            "(before 0.5.16's KVCacheConfigurator): the memory saver, custom memory pools "
+            "and hybrid pools stop start-up with one message (post-capture KV sizing does "
+            "not exist yet).",
+        retire_when="The oldest SGLang cell has KVCacheConfigurator (0.5.16).",
+        codemod=RefuseUnsupportedAtInitMemoryPool,
+        forwarded="not-needed",
+        last_update=_SGLANG_0513_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-runner",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_RUNNER_GUARD,
+        anchor="sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool "
+               "(get_bool_env_var imported, no envs)",
+        targets=("{package}/srt/model_executor/model_runner.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported where ModelRunner builds the pools itself "
+            "(before 0.5.7): the custom memory pool is a boolean environment variable there "
+            "and hybrid layers are `is_hybrid`.",
+        retire_when="The oldest SGLang cell has ModelRunnerKVCacheMixin (0.5.7).",
+        codemod=RefuseUnsupportedAtRunnerInitMemoryPool,
+        forwarded="not-needed",
+        last_update=_SGLANG_055_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-runner-before-mamba",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_RUNNER_GUARD_BEFORE_MAMBA,
+        anchor="sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool "
+               "(get_bool_env_var imported, no envs, no self.mambaish_config)",
+        targets=("{package}/srt/model_executor/model_runner.py",),
+        expected_hits=1,
+        why="sglang-refuse-unsupported-runner for releases before the Mamba pools (0.5.2): "
+            "their runner has no mambaish_config, so the guard names the sliding-window "
+            "hybrids (is_hybrid) alone.",
+        retire_when="The oldest SGLang cell has the runner's mambaish_config.",
+        codemod=RefuseUnsupportedAtRunnerInitMemoryPoolBeforeMamba,
+        forwarded="not-needed",
+        last_update=_SGLANG_055_DATE,
     ),
     CodemodDeclaration(
         id="sglang-prefix-cache-bound",
@@ -391,6 +700,22 @@ CODEMODS += [
         codemod=BoundPrefixCacheOnRelease,
         forwarded="no",
         last_update=_SGLANG_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-prefix-cache-bound-radix-tree",
+        seam="prefix-cache-bound",
+        engine="sglang",
+        versions=_SGLANG_TREE_RELEASE,
+        anchor="sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req (end)",
+        targets=("{package}/srt/mem_cache/radix_cache.py",),
+        expected_hits=1,
+        why="The bound of sglang-prefix-cache-bound where the radix tree releases a finished "
+            "request in its own cache_finished_req (no release_kv_cache yet) and evicts by "
+            "token count.",
+        retire_when="The oldest SGLang cell has mem_cache/common.py::release_kv_cache.",
+        codemod=BoundRadixTreeOnFinishedRequest,
+        forwarded="no",
+        last_update=_SGLANG_055_DATE,
     ),
 ]
 # --- end of SGLang ----------------------------------------------------------------------------

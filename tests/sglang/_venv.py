@@ -60,6 +60,9 @@ BASE_PACKAGES: tuple[str, ...] = (
     "pytest",
     "prometheus_client",
 )
+# Packages only some releases import on the CPU path: installed only for a cell whose
+# `test_pins` names them (0.5.5 and earlier import torchao whenever the model runner starts).
+OPTIONAL_PACKAGES: tuple[str, ...] = ("torchao",)
 # Packages that would drag in another torch build; the tests shim their import instead.
 FORBIDDEN = ("torchvision", "torchaudio", "torchcodec")
 
@@ -78,14 +81,17 @@ def torch_pin(cell: Cell) -> str:
 
 
 def base_requirements(cell: Cell) -> tuple[str, ...]:
-    """The base venv's requirements: the proof torch first, then BASE_PACKAGES with pins."""
-    unknown = sorted(set(cell.test_pins) - set(BASE_PACKAGES))
+    """The base venv's requirements: the proof torch first, then BASE_PACKAGES with pins, then
+    the OPTIONAL_PACKAGES the cell pins."""
+    unknown = sorted(set(cell.test_pins) - set(BASE_PACKAGES) - set(OPTIONAL_PACKAGES))
     if unknown:
         raise ValueError(f"{cell.name}: test_pins {unknown} name no package of the SGLang base "
-                         "venv (tests/sglang/_venv.py BASE_PACKAGES)")
+                         "venv (tests/sglang/_venv.py BASE_PACKAGES, OPTIONAL_PACKAGES)")
     pinned = tuple(f"{name}=={cell.test_pins[name]}" if name in cell.test_pins else name
                    for name in BASE_PACKAGES)
-    return (torch_pin(cell), *pinned)
+    optional = tuple(f"{name}=={cell.test_pins[name]}" for name in OPTIONAL_PACKAGES
+                     if name in cell.test_pins)
+    return (torch_pin(cell), *pinned, *optional)
 
 
 def cache_root() -> Path:

@@ -52,11 +52,18 @@ def test_patched_mem_cache_contract(cell: Cell, patched_venv: EngineVenv,
 def test_switch_off_exports_sglangs_own_classes(cell: Cell, patched_venv: EngineVenv,
                                                 tmp_path: Path) -> None:
     transforms = select_transforms(proof_registry(), cell)
+    # The pool-building module: the KV-cache configurator from 0.5.16, the model runner's KV
+    # mixin from 0.5.7, the model runner itself before.
     probe = (
-        "from sglang.srt.mem_cache import common, kv_cache_configurator as c, memory_pool as m\n"
-        "from sglang.srt.mem_cache.allocator import paged, token\n"
+        "import importlib, importlib.util\n"
+        "c = importlib.import_module(next(n for n in (\n"
+        "    'sglang.srt.mem_cache.kv_cache_configurator',\n"
+        "    'sglang.srt.model_executor.model_runner_kv_cache_mixin',\n"
+        "    'sglang.srt.model_executor.model_runner')\n"
+        "    if importlib.util.find_spec(n) is not None))\n"
+        "from sglang.srt.mem_cache import allocator as a, memory_pool as m\n"
         "from sglang._kvcached_build import describe\n"
-        "names = [token.TokenToKVPoolAllocator, paged.PagedTokenToKVPoolAllocator,\n"
+        "names = [a.TokenToKVPoolAllocator, a.PagedTokenToKVPoolAllocator,\n"
         "         m.MHATokenToKVPool, m.MLATokenToKVPool, c.TokenToKVPoolAllocator]\n"
         "print([n.__name__ for n in names], len(describe()['transforms']))\n"
     )

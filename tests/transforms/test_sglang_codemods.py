@@ -15,19 +15,40 @@ from libcst.codemod import CodemodContext, TransformSuccess, transform_module
 from codemods.base import BuildContext, HitCountingCodemod
 from codemods.catalog import CODEMODS
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
+from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocators_free_group_flag import (
     ElasticPagedAllocatorFreeGroupFlag,
     ElasticTokenAllocatorFreeGroupFlag,
 )
+from codemods.sglang.allocators_one_module import ElasticPagedAllocatorCountsItsPages
 from codemods.sglang.capacity import KVBudgetCapacity
+from codemods.sglang.capacity_model_runner import KVBudgetCapacityModelRunner
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
+from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMemoryPool
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
+from codemods.sglang.model_runner_sizing import (
+    ElasticKVProfileMemoryRunner,
+    KVBudgetCapacityRunner,
+    RefuseUnsupportedAtRunnerInitMemoryPool,
+    RefuseUnsupportedAtRunnerInitMemoryPoolBeforeMamba,
+)
 from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
+from codemods.sglang.pool_mha_inline import ElasticMHAInlineBuffersPool
 from codemods.sglang.pool_mla import ElasticMLAPool
+from codemods.sglang.pool_mla_inline import RefuseInlineMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
-from codemods.sglang.startup_memory import ElasticPreModelLoadMemory
+from codemods.sglang.prefix_cache_bound_tree import BoundRadixTreeOnFinishedRequest
+from codemods.sglang.profile_max_num_token import (
+    ElasticKVProfileMemoryTokens,
+    KVBudgetCapacityTokens,
+)
+from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
+from codemods.sglang.startup_memory_model_runner import (
+    ElasticKVProfileMemoryModelRunner,
+    ElasticPreModelLoadMemoryModelRunner,
+)
 from forge.errors import TransformError
 from forge.registry import default_registry
 
@@ -71,6 +92,7 @@ TOKEN = fixture("sglang-token-allocator")
 TOKEN_0516 = fixture("sglang-token-allocator-free-group-flag")
 PAGED_0516 = fixture("sglang-paged-allocator-free-group-flag")
 GUARD_0516 = fixture("sglang-refuse-unsupported-server-args")
+INLINE_KV = fixture("sglang-mha-pool-inline-buffers")
 
 
 def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> None:
@@ -113,6 +135,67 @@ def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> N
     (RefuseUnsupportedAtConfigureServerArgs, fixture("sglang-refuse-unsupported")),
     (RefuseUnsupportedAtConfigureServerArgs,
      "from sglang.srt.runtime_context import get_exec\n" + GUARD_0516),
+    # the inline-buffers pool (0.5.13) and the _create_buffers_normal pools (0.5.16 on) refuse
+    # each other's source
+    (ElasticMHAInlineBuffersPool, fixture("sglang-mha-pool-separate-kv")),
+    (ElasticMHAInlineBuffersPool, fixture("sglang-mha-pool")),
+    (ElasticMHASeparateKVPool, INLINE_KV),
+    (ElasticMHAPool, INLINE_KV),
+    # V no longer a per-layer list of allocations of its own
+    (ElasticMHAInlineBuffersPool,
+     INLINE_KV.replace("self.v_buffer = [", "self.v_buffer = self.k_buffer or [")),
+    # the model runner's variants find nothing in 0.5.16's configurator, and 0.5.16's
+    # variants nothing in 0.5.13's model runner
+    (KVBudgetCapacityModelRunner, fixture("sglang-kv-budget")),
+    (KVBudgetCapacity, fixture("sglang-kv-budget-model-runner")),
+    (ElasticKVProfileMemory, fixture("sglang-kv-profile-free-memory-model-runner")),
+    (RefuseUnsupportedAtConfigureServerArgs, fixture("sglang-refuse-unsupported-model-runner")),
+    (RefuseUnsupportedAtInitMemoryPool, GUARD_0516),
+    (ElasticPreModelLoadMemoryAtInit, fixture("sglang-startup-free-memory-model-runner")),
+    (ElasticPreModelLoadMemoryModelRunner, fixture("sglang-startup-free-memory-at-init")),
+    # a runner that no longer records whether it is a draft worker: the window rule is unknown
+    (ElasticPreModelLoadMemoryModelRunner, fixture("sglang-startup-free-memory-model-runner")
+     .replace("self.is_draft_worker = is_draft_worker", "self.draft = is_draft_worker")),
+    # 0.5.12 gave alloc_extend the batch's new-page count: the 0.5.10 variant no longer fits
+    (ElasticPagedAllocatorCountsItsPages, PAGED_0516),
+    # the token-count profile (0.5.10) and the byte-budget one (0.5.11 on) refuse each other
+    (KVBudgetCapacityTokens, fixture("sglang-kv-budget-model-runner")),
+    (KVBudgetCapacityModelRunner, fixture("sglang-kv-budget-tokens")),
+    (ElasticKVProfileMemoryTokens, fixture("sglang-kv-profile-free-memory-model-runner")),
+    (ElasticKVProfileMemoryModelRunner, fixture("sglang-kv-profile-free-memory-tokens")),
+    # a token profile that no longer returns bytes divided by the cell size
+    (KVBudgetCapacityTokens, fixture("sglang-kv-budget-tokens").replace(
+        "return int(rest_memory * (1 << 30)) // cell_size",
+        "return max(0, int(rest_memory * (1 << 30)) // cell_size)")),
+    # the inline MLA pool (0.5.5) and the _create_buffers one (0.5.6 on) refuse each other
+    (RefuseInlineMLAPool, fixture("sglang-mla-pool")),
+    (ElasticMLAPool, fixture("sglang-mla-pool-refused-inline")),
+    # ModelRunner's own sizing (0.5.5) and the KV mixin's (0.5.7 on) refuse each other
+    (KVBudgetCapacityRunner, fixture("sglang-kv-budget-tokens")),
+    (KVBudgetCapacityTokens, fixture("sglang-kv-budget-runner")),
+    (ElasticKVProfileMemoryRunner, fixture("sglang-kv-profile-free-memory-tokens")),
+    (ElasticKVProfileMemoryTokens, fixture("sglang-kv-profile-free-memory-runner")),
+    (RefuseUnsupportedAtInitMemoryPool, fixture("sglang-refuse-unsupported-runner")),
+    (RefuseUnsupportedAtRunnerInitMemoryPool, fixture("sglang-refuse-unsupported-model-runner")),
+    # a profile that no longer divides by the per-token cell size
+    (KVBudgetCapacityRunner, fixture("sglang-kv-budget-runner").replace(
+        "// cell_size)", "// (cell_size * 2))")),
+    # the tree's release moved to mem_cache/common.py::release_kv_cache (0.5.6 on), and back
+    (BoundRadixTreeOnFinishedRequest, fixture("sglang-prefix-cache-bound")),
+    (BoundPrefixCacheOnRelease, fixture("sglang-prefix-cache-bound-radix-tree")),
+    # the paged allocator with device lengths only (0.5.1) and with CPU lengths (0.5.3 on)
+    # refuse each other
+    (ElasticPagedAllocatorCountsItsPages, fixture("sglang-paged-allocator-device-lengths")),
+    (ElasticPagedAllocatorDeviceLengths, fixture("sglang-paged-allocator-counts-its-pages")),
+    # the guard naming Mamba pools and the one before them refuse each other's runner
+    (RefuseUnsupportedAtRunnerInitMemoryPool,
+     fixture("sglang-refuse-unsupported-runner-before-mamba")),
+    (RefuseUnsupportedAtRunnerInitMemoryPoolBeforeMamba,
+     fixture("sglang-refuse-unsupported-runner")),
+    # the guard's settings moved to get_exec()
+    (RefuseUnsupportedAtInitMemoryPool,
+     "from sglang.srt.runtime_context import get_exec\n"
+     + fixture("sglang-refuse-unsupported-model-runner")),
 ])
 def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCodemod],
                                                    source: str) -> None:
@@ -134,6 +217,23 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (ElasticTokenAllocatorFreeGroupFlag, "sglang-token-allocator-free-group-flag"),
     (ElasticPagedAllocatorFreeGroupFlag, "sglang-paged-allocator-free-group-flag"),
     (RefuseUnsupportedAtConfigureServerArgs, "sglang-refuse-unsupported-server-args"),
+    (ElasticMHAInlineBuffersPool, "sglang-mha-pool-inline-buffers"),
+    (KVBudgetCapacityModelRunner, "sglang-kv-budget-model-runner"),
+    (ElasticKVProfileMemoryModelRunner, "sglang-kv-profile-free-memory-model-runner"),
+    (ElasticPreModelLoadMemoryModelRunner, "sglang-startup-free-memory-model-runner"),
+    (RefuseUnsupportedAtInitMemoryPool, "sglang-refuse-unsupported-model-runner"),
+    (ElasticTokenAllocatorFreeGroupFlag, "sglang-token-allocator-one-module"),
+    (ElasticPagedAllocatorCountsItsPages, "sglang-paged-allocator-counts-its-pages"),
+    (KVBudgetCapacityTokens, "sglang-kv-budget-tokens"),
+    (ElasticKVProfileMemoryTokens, "sglang-kv-profile-free-memory-tokens"),
+    (RefuseInlineMLAPool, "sglang-mla-pool-refused-inline"),
+    (KVBudgetCapacityRunner, "sglang-kv-budget-runner"),
+    (ElasticKVProfileMemoryRunner, "sglang-kv-profile-free-memory-runner"),
+    (RefuseUnsupportedAtRunnerInitMemoryPool, "sglang-refuse-unsupported-runner"),
+    (BoundRadixTreeOnFinishedRequest, "sglang-prefix-cache-bound-radix-tree"),
+    (ElasticPagedAllocatorDeviceLengths, "sglang-paged-allocator-device-lengths"),
+    (RefuseUnsupportedAtRunnerInitMemoryPoolBeforeMamba,
+     "sglang-refuse-unsupported-runner-before-mamba"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
                                             transform_id: str) -> None:
@@ -145,11 +245,18 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
     for codemod, transform_id, cls in [
             (ElasticMHAPool, "sglang-mha-pool", "MHATokenToKVPool"),
             (ElasticMHASeparateKVPool, "sglang-mha-pool-separate-kv", "MHATokenToKVPool"),
+            (ElasticMHAInlineBuffersPool, "sglang-mha-pool-inline-buffers", "MHATokenToKVPool"),
             (ElasticMLAPool, "sglang-mla-pool", "MLATokenToKVPool"),
             (ElasticPagedAllocator, "sglang-paged-allocator", "PagedTokenToKVPoolAllocator"),
             (ElasticTokenAllocatorFreeGroupFlag, "sglang-token-allocator-free-group-flag",
              "TokenToKVPoolAllocator"),
             (ElasticPagedAllocatorFreeGroupFlag, "sglang-paged-allocator-free-group-flag",
+             "PagedTokenToKVPoolAllocator"),
+            (ElasticTokenAllocatorFreeGroupFlag, "sglang-token-allocator-one-module",
+             "TokenToKVPoolAllocator"),
+            (ElasticPagedAllocatorCountsItsPages, "sglang-paged-allocator-counts-its-pages",
+             "PagedTokenToKVPoolAllocator"),
+            (ElasticPagedAllocatorDeviceLengths, "sglang-paged-allocator-device-lengths",
              "PagedTokenToKVPoolAllocator")]:
         body = fixture(transform_id).split(f"class {cls}", 1)[1].split("\nclass ", 1)[0]
         for name in codemod.REQUIRED_METHODS:
@@ -163,32 +270,55 @@ def test_prefix_bound_needs_release_kv_cache() -> None:
 
 def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -> None:
     sglang = {t.id: t for t in CODEMODS if t.engine == "sglang"}
-    pools = {"sglang-mha-pool", "sglang-mha-pool-separate-kv"}
-    pre_load = {"sglang-startup-free-memory", "sglang-startup-free-memory-at-init"}
     newer_api = {"sglang-token-allocator", "sglang-paged-allocator",
                  "sglang-refuse-unsupported"}
     older_api = {"sglang-token-allocator-free-group-flag",
-                 "sglang-paged-allocator-free-group-flag",
-                 "sglang-refuse-unsupported-server-args"}
-    assert set(sglang) == {
-        "sglang-mla-pool", "sglang-kv-budget", "sglang-prefix-cache-bound",
-        "sglang-kv-profile-free-memory", *pools, *pre_load, *newer_api, *older_api,
-    }
+                 "sglang-paged-allocator-free-group-flag"}
+    configurator = {"sglang-kv-budget", "sglang-kv-profile-free-memory"}
+    model_runner = {"sglang-kv-budget-model-runner", "sglang-kv-profile-free-memory-model-runner",
+                    "sglang-refuse-unsupported-model-runner",
+                    "sglang-startup-free-memory-model-runner"}
+    # every SGLang cell from 0.5.10 takes the same one; the rest are one variant of a seam
+    # that moved
+    same_everywhere = {"sglang-mla-pool", "sglang-prefix-cache-bound"}
     variants = {
-        "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory", *newer_api},
-        "0.5.22": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api},
-        "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api},
+        "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory", *newer_api, *configurator},
+        "0.5.22": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api,
+                   *configurator},
+        "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api,
+                   *configurator},
         "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   *newer_api},
+                   *newer_api, *configurator},
         "0.5.16": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   *older_api},
+                   "sglang-refuse-unsupported-server-args", *older_api, *configurator},
+        "0.5.13": {"sglang-mha-pool-inline-buffers", *older_api, *model_runner},
+        "0.5.10": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
+                   "sglang-paged-allocator-counts-its-pages", "sglang-kv-budget-tokens",
+                   "sglang-kv-profile-free-memory-tokens",
+                   "sglang-refuse-unsupported-model-runner",
+                   "sglang-startup-free-memory-model-runner"},
     }
+    oldest = {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
+              "sglang-paged-allocator-counts-its-pages", "sglang-mla-pool-refused-inline",
+              "sglang-kv-budget-runner", "sglang-kv-profile-free-memory-runner",
+              "sglang-refuse-unsupported-runner", "sglang-startup-free-memory-model-runner",
+              "sglang-prefix-cache-bound-radix-tree"}
+    # before 0.5.3 the paged allocator gets device lengths only, before 0.5.2 no Mamba pools
+    before_mamba = oldest - {"sglang-paged-allocator-counts-its-pages",
+                             "sglang-refuse-unsupported-runner"} | {
+        "sglang-paged-allocator-device-lengths", "sglang-refuse-unsupported-runner-before-mamba"}
+    assert set(sglang) == (same_everywhere | oldest | before_mamba
+                           | set().union(*variants.values()))
+
+    def applying(version: str) -> set[str]:
+        return {t.id for t in sglang.values() if t.applies_to("sglang", version)}
+
     for version, chosen in variants.items():
-        applying = {t.id for t in sglang.values() if t.applies_to("sglang", version)}
-        assert applying == (set(sglang) - pools - pre_load - newer_api - older_api) | chosen, (
-            version)
+        assert applying(version) == same_everywhere | chosen, version
+    assert applying("0.5.5") == oldest
+    assert applying("0.5.1") == applying("0.4.10.post2") == before_mamba
     for transform in sglang.values():
-        assert not transform.applies_to("sglang", "0.5.15")
+        assert not transform.applies_to("sglang", "0.4.9")
         assert not transform.applies_to("sglang", "0.5.24")
         assert not transform.applies_to("vllm", "0.5.23")
     # 0.5.17 - 0.5.19 have neither allocator API (and no cell): nothing covers their

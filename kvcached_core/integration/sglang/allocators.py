@@ -294,6 +294,10 @@ class ElasticPagedAllocatorMixin(_ElasticAllocatorCommon):
     taken from the ledger first and handed to the stock method as its free-page list.
     """
 
+    #: Whether the stock ``alloc_extend`` takes the batch's new-page count (from 0.5.12);
+    #: before, it counts them itself from the CPU lengths, to the same number.
+    _kvcached_stock_takes_page_count = True
+
     def clear(self) -> None:
         import torch
 
@@ -340,10 +344,12 @@ class ElasticPagedAllocatorMixin(_ElasticAllocatorCommon):
             ))
         if not self._stage_new_pages(num_new_pages):
             return None
-        return super().alloc_extend(  # type: ignore[misc]
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
-            num_new_pages=num_new_pages,
-        )
+        stock = super().alloc_extend  # type: ignore[misc]
+        args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                extend_num_tokens)
+        if self._kvcached_stock_takes_page_count:
+            return stock(*args, num_new_pages=num_new_pages)
+        return stock(*args)
 
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
@@ -437,3 +443,41 @@ class ElasticPagedAllocatorFreeGroupFlagMixin(_ElasticFreeGroupFlagMixin,
             self._release_page_ids(torch.unique(free_index // allocator.page_size))
         else:
             allocator.free_group.append(free_index)
+
+
+class ElasticPagedAllocatorCountsItsPagesMixin(ElasticPagedAllocatorFreeGroupFlagMixin):
+    """PagedTokenToKVPoolAllocator of a release whose ``alloc_extend`` has no
+    ``num_new_pages`` parameter (up to 0.5.11), otherwise the free-group-flag API."""
+
+    _kvcached_stock_takes_page_count = False
+
+
+class ElasticPagedAllocatorDeviceLengthsMixin(ElasticPagedAllocatorFreeGroupFlagMixin):
+    """PagedTokenToKVPoolAllocator of a release whose extend and decode take the batch's
+    lengths on the device only (up to 0.5.2: ``alloc_extend(prefix_lens, seq_lens, last_loc,
+    extend_num_tokens)``, ``alloc_decode(seq_lens, last_loc)``; their kernels count the new
+    pages and read the count back). The count is taken here from the same tensors, with the
+    same rule, to stage that many ledger pages first."""
+
+    def alloc_extend(  # type: ignore[override]
+        self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> torch.Tensor | None:
+        allocator: Any = self
+        page = allocator.page_size
+        count = int(((seq_lens + page - 1) // page - (prefix_lens + page - 1) // page).sum())
+        if not self._stage_new_pages(count):
+            return None
+        # The stock method, past the later releases' override in ElasticPagedAllocatorMixin.
+        stock = super(ElasticPagedAllocatorMixin, self).alloc_extend  # type: ignore[misc]
+        return stock(prefix_lens, seq_lens, last_loc, extend_num_tokens)
+
+    def alloc_decode(  # type: ignore[override]
+        self, seq_lens: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        allocator: Any = self
+        # A decode token opens a page when it is the first of one (seq_lens counts it).
+        if not self._stage_new_pages(int((seq_lens % allocator.page_size == 1).sum())):
+            return None
+        stock = super(ElasticPagedAllocatorMixin, self).alloc_decode  # type: ignore[misc]
+        return stock(seq_lens, last_loc)

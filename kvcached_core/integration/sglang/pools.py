@@ -140,15 +140,21 @@ class ElasticMHAPoolMixin:
                 f"V shape {v_shape} is not supported; elastic pools need the NHD layout with "
                 "equal K and V head dims"
             )
-        rows = k_shape[0]
+        self._kvcached_back_kv(k_shape)
+
+    def _kvcached_back_kv(self, shape: tuple[int, ...]) -> None:
+        """Reserve one KV pool for every layer's K and V of ``shape`` (rows, H, D) and set
+        ``k_buffer`` / ``v_buffer`` to views of it laid out as the release lays them out."""
+        pool: Any = self
         store_dtype: torch.dtype = pool.store_dtype
-        row_elems = k_shape[1] * k_shape[2]
+        row_elems = shape[1] * shape[2]
         kv_pool, region_rows = create_kv_pool(
             kind="mha", device=str(pool.device), num_layers=pool.layer_num, num_buffers=2,
-            page_tokens=pool.page_size, token_bytes=row_elems * store_dtype.itemsize, rows=rows,
+            page_tokens=pool.page_size, token_bytes=row_elems * store_dtype.itemsize,
+            rows=shape[0],
         )
         pool.kvcached_pool = kv_pool
-        pool.k_buffer, pool.v_buffer = self._kvcached_kv_views(kv_pool, region_rows, k_shape)
+        pool.k_buffer, pool.v_buffer = self._kvcached_kv_views(kv_pool, region_rows, shape)
 
     def _kvcached_kv_views(self, kv_pool: KVPool, region_rows: int, shape: tuple[int, ...]
                            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -188,6 +194,43 @@ class ElasticMHASeparateKVPoolMixin(ElasticMHAPoolMixin):
         return keys, values
 
 
+class ElasticMHAInlineBuffersPoolMixin(ElasticMHASeparateKVPoolMixin):
+    """MHATokenToKVPool of a release whose ``_create_buffers`` allocates K and V inline (up
+    to 0.5.15: no ``_create_buffers_normal``, no quantized or post-capture paths): K and V
+    apart as in the separate-KV mixin, then the per-layer pointer and stride tables that
+    ``_create_buffers`` derives from the buffers for SGLang's copy kernels."""
+
+    def _create_buffers(self) -> None:
+        pool: Any = self
+        refuse_unless_leaf(self, "MHA pool")
+        _refuse_unless_plain(pool, "an elastic MHA pool")
+        # Releases without these attributes have V's head dim equal to K's (before 0.5.6) and
+        # only the NHD layout (before AITER's vectorized layout, 0.5.13).
+        k_shape = (pool.size + pool.page_size, pool.head_num, pool.head_dim)
+        v_shape = (pool.size + pool.page_size, pool.head_num,
+                   getattr(pool, "v_head_dim", pool.head_dim))
+        layout = getattr(pool, "kv_cache_layout", "nhd")
+        if layout != "nhd" or k_shape != v_shape:
+            raise KVCachedConfigError(
+                f"kvcached: the {layout!r} KV layout with K shape {k_shape} and "
+                f"V shape {v_shape} is not supported; elastic pools need the NHD layout with "
+                "equal K and V head dims"
+            )
+        self._kvcached_back_kv(k_shape)
+        import torch
+
+        # What the release computes right after allocating: the copy kernels read every
+        # layer's K then V base address and its bytes per token row from these tables.
+        buffers = [*pool.k_buffer, *pool.v_buffer]
+        pool.k_data_ptrs = torch.tensor([b.data_ptr() for b in pool.k_buffer],
+                                        dtype=torch.uint64, device=pool.device)
+        pool.v_data_ptrs = torch.tensor([b.data_ptr() for b in pool.v_buffer],
+                                        dtype=torch.uint64, device=pool.device)
+        pool.data_ptrs = torch.cat([pool.k_data_ptrs, pool.v_data_ptrs], dim=0)
+        pool.data_strides = torch.tensor(
+            [b[0].numel() * b.element_size() for b in buffers], device=pool.device)
+
+
 class ElasticMLAPoolMixin:
     """MLATokenToKVPool whose per-layer latent buffer is a view of a VMM-backed tensor."""
 
@@ -213,6 +256,19 @@ class ElasticMLAPoolMixin:
     def _clear_buffers(self) -> None:
         super()._clear_buffers()  # type: ignore[misc]
         close_kv_pool(self)
+
+
+class RefuseInlineMLAPoolMixin:
+    """MLATokenToKVPool of a release that allocates its latent buffers inside ``__init__`` (up
+    to 0.5.5): they cannot be placed without copying the constructor, so an elastic engine
+    stops here, before anything is allocated."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise KVCachedConfigError(
+            "kvcached: MLA models are not supported with elastic KV memory on this SGLang "
+            "release (MLATokenToKVPool allocates its buffers in its constructor); set "
+            "KVCACHED_ENABLE=0, or use an SGLang release from 0.5.10"
+        )
 
 
 def close_kv_pool(sglang_pool: object) -> None:

@@ -37,3 +37,17 @@ def bound_prefix_cache(tree_cache: Any) -> int:
 
     result = tree_cache.evict(EvictParams(num_tokens=excess))
     return int(result.num_tokens_evicted)
+
+
+def bound_radix_tree(tree: Any) -> int:
+    """`bound_prefix_cache` for a release whose radix tree calls it from its own
+    `cache_finished_req` (up to 0.5.5) and evicts by token count (`evict(num_tokens)`,
+    returning nothing, before 0.5.9's `EvictParams`); returns tokens evicted."""
+    limit = sglang_settings().max_cached_tokens
+    if limit < 0:
+        return 0
+    before = int(tree.evictable_size())
+    if before <= limit:
+        return 0
+    tree.evict(before - limit)
+    return before - int(tree.evictable_size())

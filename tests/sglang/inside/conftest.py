@@ -6,7 +6,11 @@ so one token is 64 bytes per layer per buffer, and KVCACHED_PAGE_SIZE=4K holds 6
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import os
+from types import ModuleType
 
 import pytest
 import torch
@@ -15,6 +19,30 @@ assert os.environ.get("KVCACHED_ENABLE") == "1", "run by tests/sglang/test_l1_co
 
 LAYERS, HEADS, DIM = 2, 2, 16
 TOKENS_PER_PAGE = 4096 // (HEADS * DIM * 2)
+
+#: The module that builds the pools and allocators: the KV-cache configurator from 0.5.16,
+#: the model runner's KV mixin from 0.5.7, the model runner itself before.
+POOL_BUILDERS = ("sglang.srt.mem_cache.kv_cache_configurator",
+                 "sglang.srt.model_executor.model_runner_kv_cache_mixin",
+                 "sglang.srt.model_executor.model_runner")
+#: The SWA allocator's module: in the allocator package from 0.5.13, in swa_memory_pool from
+#: 0.5.8, beside the other allocators (mem_cache/allocator.py) before.
+SWA_ALLOCATOR_MODULES = ("sglang.srt.mem_cache.allocator.swa",
+                         "sglang.srt.mem_cache.swa_memory_pool",
+                         "sglang.srt.mem_cache.allocator")
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent is a plain module, not a package
+        return False
+
+
+def releases_module(candidates: tuple[str, ...]) -> ModuleType:
+    """The first of ``candidates`` (where a role's module lived, newest first) that the
+    release has."""
+    return importlib.import_module(next(name for name in candidates if _has_module(name)))
 
 
 def make_mha_pool(size: int, page_size: int = 1, cls: type | None = None) -> object:
@@ -35,22 +63,40 @@ def make_mla_pool(size: int, page_size: int = 1, cls: type | None = None) -> obj
         qk_rope_head_dim=16, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
 
 
-@pytest.fixture
-def token_setup() -> tuple[object, object]:
+def allocators_sort() -> bool:
+    """Whether the release's allocators take ``need_sort`` (from 0.5.1)."""
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 
+    return "need_sort" in inspect.signature(TokenToKVPoolAllocator.__init__).parameters
+
+
+def make_token_allocator(size: int, kvcache: object, need_sort: bool = False) -> object:
+    """The release's token allocator over ``kvcache`` (``need_sort`` where it has one)."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    sort = (need_sort,) if allocators_sort() else ()
+    return TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", kvcache, *sort)
+
+
+def make_paged_allocator(size: int, page_size: int, kvcache: object,
+                         need_sort: bool = False) -> object:
+    """The release's paged allocator over ``kvcache`` (``need_sort`` where it has one)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    sort = (need_sort,) if allocators_sort() else ()
+    return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", kvcache, *sort)
+
+
+@pytest.fixture
+def token_setup() -> tuple[object, object]:
     pool = make_mha_pool(1023)
-    allocator = TokenToKVPoolAllocator(1023, torch.bfloat16, "cpu", pool, False)
-    return pool, allocator
+    return pool, make_token_allocator(1023, pool)
 
 
 @pytest.fixture
 def paged_setup() -> tuple[object, object]:
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-
     pool = make_mha_pool(1020, page_size=4)
-    allocator = PagedTokenToKVPoolAllocator(1020, 4, torch.bfloat16, "cpu", pool, False)
-    return pool, allocator
+    return pool, make_paged_allocator(1020, 4, pool)
 
 
 def mapped_pages(pool: object) -> int:

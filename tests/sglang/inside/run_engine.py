@@ -8,6 +8,7 @@ record (`KVCACHED_SHM_DIR`): none exist for a stock engine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -60,6 +61,12 @@ def main(model: str, out: str) -> None:
         disable_cuda_graph=True, max_total_tokens=4096, log_level="error",
         skip_server_warmup=True, random_seed=0,
     )
+    try:
+        asyncio.get_event_loop()
+    except RuntimeError:
+        # Up to 0.5.1 `Engine.generate` asks the policy for the thread's loop, which the uvloop
+        # policy it installs no longer creates on demand: give the main thread one.
+        asyncio.set_event_loop(asyncio.new_event_loop())
     try:
         with KVSampler() as sampler:
             before = sampler.now()

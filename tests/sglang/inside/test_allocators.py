@@ -4,24 +4,32 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOKENS_PER_PAGE, mapped_pages
+from conftest import (
+    POOL_BUILDERS,
+    SWA_ALLOCATOR_MODULES,
+    TOKENS_PER_PAGE,
+    make_token_allocator,
+    mapped_pages,
+    releases_module,
+)
 
 from kvcached_core.errors import KVCachedConfigError, StateConsistencyError
 
 
 def test_the_public_names_are_the_elastic_classes() -> None:
-    from sglang.srt.mem_cache import kv_cache_configurator
     from sglang.srt.mem_cache.allocator import (
         PagedTokenToKVPoolAllocator,
         TokenToKVPoolAllocator,
-        swa,
     )
 
     assert TokenToKVPoolAllocator.__name__ == "ElasticTokenToKVPoolAllocator"
     assert PagedTokenToKVPoolAllocator.__name__ == "ElasticPagedTokenToKVPoolAllocator"
-    # Modules that captured the names at import see the elastic classes too.
-    assert kv_cache_configurator.TokenToKVPoolAllocator is TokenToKVPoolAllocator
-    assert kv_cache_configurator.PagedTokenToKVPoolAllocator is PagedTokenToKVPoolAllocator
+    # Modules that captured the names at import see the elastic classes too: the one that
+    # builds the allocators, and the SWA allocator's.
+    builder = releases_module(POOL_BUILDERS)
+    assert builder.TokenToKVPoolAllocator is TokenToKVPoolAllocator
+    assert builder.PagedTokenToKVPoolAllocator is PagedTokenToKVPoolAllocator
+    swa = releases_module(SWA_ALLOCATOR_MODULES)
     assert swa.TokenToKVPoolAllocator is TokenToKVPoolAllocator
 
 
@@ -82,7 +90,5 @@ def test_token_memory_follows_allocation(token_setup) -> None:
 def test_an_allocator_over_a_stock_pool_is_refused() -> None:
     from unittest.mock import MagicMock
 
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-
     with pytest.raises(KVCachedConfigError, match="needs an elastic KV pool"):
-        TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", MagicMock(), False)
+        make_token_allocator(64, MagicMock())

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
-from conftest import DIM, HEADS, LAYERS, make_mha_pool, make_mla_pool
+from conftest import DIM, HEADS, LAYERS, make_mha_pool, make_mla_pool, make_token_allocator
 
 from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.integration.sglang.pools import RefuseInlineMLAPoolMixin
 
 
 def releases_own(elastic: type) -> type:
@@ -52,13 +55,15 @@ def test_mha_buffers_keep_the_releases_own_layout(size: int, page_size: int) -> 
         assert k.dtype == torch.bfloat16
     assert pool.k_data_ptrs.tolist() == [k.data_ptr() for k in pool.k_buffer]
     assert pool.v_data_ptrs.tolist() == [v.data_ptr() for v in pool.v_buffer]
+    # SGLang's copy kernels walk every layer's K then V through these tables
+    assert pool.data_ptrs.tolist() == pool.k_data_ptrs.tolist() + pool.v_data_ptrs.tolist()
+    assert pool.data_strides.tolist() == stock.data_strides.tolist()
+    assert pool.data_strides.dtype == stock.data_strides.dtype
 
 
 def test_mha_set_and_get_through_sglang() -> None:
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-
     pool = make_mha_pool(1023)
-    allocator = TokenToKVPoolAllocator(1023, torch.bfloat16, "cpu", pool, False)
+    allocator = make_token_allocator(1023, pool)
     pointers = [k.data_ptr() for k in pool.k_buffer]
     loc = allocator.alloc(300)
     k = torch.randn(300, HEADS, DIM, dtype=torch.bfloat16)
@@ -78,6 +83,12 @@ def test_mha_set_and_get_through_sglang() -> None:
 def test_mla_buffers_keep_the_stock_shape() -> None:
     from sglang.srt.mem_cache.memory_pool import ElasticMLATokenToKVPool
 
+    if issubclass(ElasticMLATokenToKVPool, RefuseInlineMLAPoolMixin):
+        # Up to 0.5.5 the build refuses MLA pools with elastic memory (their constructor
+        # allocates the buffers): refused before anything is allocated.
+        with pytest.raises(KVCachedConfigError, match="MLA models are not supported"):
+            make_mla_pool(1023)
+        return
     pool = make_mla_pool(1023)
     stock = make_mla_pool(1023, cls=releases_own(ElasticMLATokenToKVPool))
     assert [(b.shape, b.stride(), b.dtype) for b in pool.kv_buffer] == \
@@ -90,14 +101,18 @@ def test_mla_buffers_keep_the_stock_shape() -> None:
 def test_unsupported_pool_configurations_are_refused() -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    with pytest.raises(KVCachedConfigError, match="post-capture"):
-        MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
-                         head_dim=DIM, layer_num=LAYERS, device="cpu",
-                         enable_memory_saver=False, post_capture_active=True)
-    with pytest.raises(KVCachedConfigError, match="equal K and V"):
-        MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
-                         head_dim=DIM, v_head_dim=DIM // 2, layer_num=LAYERS, device="cpu",
-                         enable_memory_saver=False)
+    parameters = inspect.signature(MHATokenToKVPool.__init__).parameters
+    if "post_capture_active" in parameters:
+        # post-capture KV sizing exists from 0.5.16
+        with pytest.raises(KVCachedConfigError, match="post-capture"):
+            MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
+                             head_dim=DIM, layer_num=LAYERS, device="cpu",
+                             enable_memory_saver=False, post_capture_active=True)
+    if "v_head_dim" in parameters:  # a V head dim of its own exists from 0.5.6
+        with pytest.raises(KVCachedConfigError, match="equal K and V"):
+            MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
+                             head_dim=DIM, v_head_dim=DIM // 2, layer_num=LAYERS, device="cpu",
+                             enable_memory_saver=False)
 
 
 def test_start_up_guard_names_each_unsupported_feature() -> None:

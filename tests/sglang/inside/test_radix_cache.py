@@ -5,18 +5,17 @@ from __future__ import annotations
 from array import array
 
 import torch
-from conftest import TOKENS_PER_PAGE, make_mha_pool, mapped_pages
+from conftest import TOKENS_PER_PAGE, make_mha_pool, make_token_allocator, mapped_pages
 
 from kvcached_core.integration.sglang.prefix_cache import bound_prefix_cache
 
 
 def make_tree() -> tuple[object, object, object]:
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     pool = make_mha_pool(1023)
-    allocator = TokenToKVPoolAllocator(1023, torch.bfloat16, "cpu", pool, False)
+    allocator = make_token_allocator(1023, pool)
     tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
                                       token_to_kv_pool_allocator=allocator, page_size=1))
     return pool, allocator, tree
