@@ -51,6 +51,7 @@ def test_patched_engine_matches_stock_and_memory_follows_demand(
 
     assert patched["outputs"] == stock["outputs"]
     assert all(len(o) == 12 for o in patched["outputs"])
+    assert patched["completion_tokens"] == stock["completion_tokens"] == [12] * 11
     assert patched["cached_tokens"][-1] >= 40  # the shared prefix came from the cache
     assert patched["cached_tokens"] == stock["cached_tokens"]
 

@@ -75,8 +75,12 @@ def main(model: str, out: str) -> None:
             idle = sampler.now()
             again = engine.generate([f"{shared} w200 w201"], PARAMS)
         peak = max((v for _, v in sampler.samples), default=None)
+        # The generated tokens: up to 0.5.1 `output_ids` also holds the last prompt tokens the
+        # incremental detokenizer starts from, so they are cut to the completion's length.
         result = {
-            "outputs": [o["output_ids"] for o in first + again],
+            "outputs": [o["output_ids"][len(o["output_ids"]) - o["meta_info"]["completion_tokens"]:]
+                        for o in first + again],
+            "completion_tokens": [o["meta_info"]["completion_tokens"] for o in first + again],
             "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in first + again],
             "kv_bytes": {"before": before, "peak": peak, "idle": idle},
         }
