@@ -4,10 +4,19 @@ A finished request leaves its KV in the radix tree (UnifiedRadixCache, SGLang's 
 or RadixCache); unbounded, that keeps every page mapped long after the burst. After each
 release the tree's evictable part is cut down to `KVCACHED_MAX_CACHED_TOKENS` (< 0: no bound,
 0: nothing is kept) through the tree's own `evict`, which frees through the elastic allocator.
+
+Tokens alone do not bound memory. With SGLang's one-token pages every decode step hands one
+slot to each running request, so the output of any request of a burst lies on every kvcached
+page the burst used, and a few thousand cached tokens keep all of them mapped. So once no
+running request holds the tree (`protected_size() == 0`: the engine has just gone idle), the
+cache is also cut, least recently used first, until its slots lie on no more kvcached pages
+than the bound's tokens fill, plus one for a page boundary. While requests run, their pages
+are mapped anyway, and the cache is left to serve them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvcached_core.integration.sglang.switch import sglang_settings
@@ -26,17 +35,17 @@ def shares_prefixes(tree_cache: Any) -> bool:
 
 
 def bound_prefix_cache(tree_cache: Any) -> int:
-    """Evict the tree's least recently used entries above the bound; returns tokens evicted."""
+    """Evict the tree's least recently used entries above the bound (in tokens, then in pages
+    once idle); returns tokens evicted."""
     limit = sglang_settings().max_cached_tokens
     if limit < 0 or not shares_prefixes(tree_cache):
         return 0
-    excess = int(tree_cache.evictable_size()) - limit
-    if excess <= 0:
-        return 0
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    result = tree_cache.evict(EvictParams(num_tokens=excess))
-    return int(result.num_tokens_evicted)
+    def evict(tokens: int) -> None:
+        tree_cache.evict(EvictParams(num_tokens=tokens))
+
+    return _bound(tree_cache, limit, evict)
 
 
 def bound_radix_tree(tree: Any) -> int:
@@ -46,8 +55,34 @@ def bound_radix_tree(tree: Any) -> int:
     limit = sglang_settings().max_cached_tokens
     if limit < 0:
         return 0
+    return _bound(tree, limit, tree.evict)
+
+
+def _bound(tree: Any, limit: int, evict: Callable[[int], object]) -> int:
     before = int(tree.evictable_size())
-    if before <= limit:
-        return 0
-    tree.evict(before - limit)
+    if before > limit:
+        evict(before - limit)
+    _bound_pages(tree, limit, evict)
     return before - int(tree.evictable_size())
+
+
+def cached_pages(tree: Any, tokens_per_page: int) -> int:
+    """How many kvcached pages the tree's slots lie on (slot s is on page s // tokens_per_page)."""
+    import torch
+
+    if int(tree.evictable_size()) + int(tree.protected_size()) == 0:
+        return 0
+    return int(torch.unique(tree.all_values_flatten() // tokens_per_page).numel())
+
+
+def _bound_pages(tree: Any, limit: int, evict: Callable[[int], object]) -> None:
+    if limit <= 0 or int(tree.protected_size()) != 0:
+        return
+    allocator = tree.token_to_kv_pool_allocator
+    ledger = getattr(allocator, "_kvcached", None)
+    if ledger is None:
+        return  # not an elastic allocator: nothing is mapped on demand
+    tokens_per_page = ledger.pool.blocks_per_page * int(allocator.page_size)
+    allowed = -(-limit // tokens_per_page) + 1
+    while int(tree.evictable_size()) > 0 and cached_pages(tree, tokens_per_page) > allowed:
+        evict(min(int(tree.evictable_size()), tokens_per_page))

@@ -69,3 +69,36 @@ def test_the_bound_evicts_down_to_the_limit_and_memory_returns() -> None:
     assert evicted == 6 * TOKENS_PER_PAGE - 64 and tree.evictable_size() == 64
     pool.kvcached_pool.trim()
     assert mapped_pages(pool) < grown
+
+
+def insert_slots(tree: object, tokens: list[int], slots: torch.Tensor) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tree.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots))
+
+
+def test_an_idle_cache_spread_over_pages_is_cut_to_the_pages_the_bound_fills() -> None:
+    pool, allocator, tree = make_tree()
+    pool.kvcached_pool.trim()
+    idle = mapped_pages(pool)
+    # Sixteen requests decoded together over four pages; four of them, 16 tokens each, are
+    # cached: each holds every sixteenth slot, so 64 tokens (within the bound) lie on all four.
+    slots = allocator.alloc(4 * TOKENS_PER_PAGE)
+    cached = [slots[i::16] for i in range(4)]
+    allocator.free(torch.cat([slots[i::16] for i in range(4, 16)]))
+    for i, held in enumerate(cached):
+        insert_slots(tree, list(range(1000 * i + 1, 1000 * i + 17)), held)
+    assert mapped_pages(pool) > idle and tree.evictable_size() == 64
+    bound_prefix_cache(tree)  # idle: no request holds the tree
+    assert tree.evictable_size() == 0
+    pool.kvcached_pool.trim()
+    assert mapped_pages(pool) == idle
+
+
+def test_an_idle_cache_on_few_pages_keeps_what_the_bound_allows() -> None:
+    pool, allocator, tree = make_tree()
+    for i in range(4):  # four requests prefilled one after another: each on its own slots
+        insert_slots(tree, list(range(1000 * i + 1, 1000 * i + 17)), allocator.alloc(16))
+    bound_prefix_cache(tree)
+    assert tree.evictable_size() == 64  # 64 tokens on at most two pages: kept

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
 from conftest import TOKENS_PER_PAGE, make_mha_pool, make_token_allocator, mapped_pages
 
 LIMIT = 64  # KVCACHED_MAX_CACHED_TOKENS in these runs
@@ -76,3 +77,21 @@ def test_memory_returns_when_the_tree_evicts() -> None:
     assert tree.evictable_size() <= LIMIT  # whole least recently used prefixes went
     pool.kvcached_pool.trim()
     assert mapped_pages(pool) < grown
+
+
+def test_an_idle_cache_spread_over_pages_is_cut_to_the_pages_the_bound_fills() -> None:
+    pool, allocator, requests, tree = make_tree()
+    pool.kvcached_pool.trim()
+    idle = mapped_pages(pool)
+    # Sixteen requests decoded together over four pages; four of them, 15 tokens each, are
+    # cached: each holds every sixteenth slot, so their 60 tokens lie on all four pages.
+    slots = allocator.alloc(4 * TOKENS_PER_PAGE)
+    allocator.free(torch.cat([slots[i::16] for i in range(4, 16)]))
+    for i in range(4):
+        tree.insert(key(list(range(1000 * i + 1, 1000 * i + 16))), slots[i::16][:15])
+        allocator.free(slots[i::16][15:])
+    # The next finished request (4 tokens: 64 cached, within the bound) finds the engine idle.
+    finish(tree, allocator, requests, [7000, 7001, 7002, 7003])
+    assert tree.evictable_size() <= 4  # at most the newest request is kept
+    pool.kvcached_pool.trim()
+    assert mapped_pages(pool) <= idle + 1
