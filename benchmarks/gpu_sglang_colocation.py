@@ -15,8 +15,9 @@ Phases, in this order:
    bursts of two halves (`--alternate-rounds`), and `--idle-s` of idle.
 
 Every burst is the same set of greedy requests (shared prefixes, fixed length); the prefix
-cache bound is 0 (`KVCACHED_MAX_CACHED_TOKENS=0`): with SGLang's one-token pages a cached
-request's slots lie on every page a burst used, so any cached tokens keep them all mapped.
+cache bound is 0 by default (`--max-cached-tokens`, `KVCACHED_MAX_CACHED_TOKENS`), as in the
+recorded run, which predates the bound's page count: with SGLang's one-token pages a cached
+request's slots lie on every page a burst used.
 
 A sampler thread reads NVML (device memory in use, all processes), every pool's limit record
 (kvcached's mapped KV, attributed to an engine by the process session its owner is in) and

@@ -8,10 +8,11 @@ release the tree's evictable part is cut down to `KVCACHED_MAX_CACHED_TOKENS` (<
 Tokens alone do not bound memory. With SGLang's one-token pages every decode step hands one
 slot to each running request, so the output of any request of a burst lies on every kvcached
 page the burst used, and a few thousand cached tokens keep all of them mapped. So once no
-running request holds the tree (`protected_size() == 0`: the engine has just gone idle), the
+request is running (the release of the last one: every row of the request pool is free), the
 cache is also cut, least recently used first, until its slots lie on no more kvcached pages
 than the bound's tokens fill, plus one for a page boundary. While requests run, their pages
-are mapped anyway, and the cache is left to serve them.
+are mapped anyway, and the cache is left to serve them. (A tree's protected size does not
+tell: up to 0.5.5 a running request that matched no prefix holds no node of it.)
 """
 
 from __future__ import annotations
@@ -75,8 +76,19 @@ def cached_pages(tree: Any, tokens_per_page: int) -> int:
     return int(torch.unique(tree.all_values_flatten() // tokens_per_page).numel())
 
 
+def engine_idle(tree: Any) -> bool:
+    """Whether no request is running: every running request holds a row of the request pool
+    (freed before the release that calls the bound), so all rows are free once the last one
+    finishes. A tree without a request pool (tests, tools) counts as idle when no request
+    holds a node of it."""
+    requests = getattr(tree, "req_to_token_pool", None)
+    if requests is not None:
+        return int(requests.available_size()) >= int(requests.size)
+    return int(tree.protected_size()) == 0
+
+
 def _bound_pages(tree: Any, limit: int, evict: Callable[[int], object]) -> None:
-    if limit <= 0 or int(tree.protected_size()) != 0:
+    if limit <= 0 or not engine_idle(tree):
         return
     allocator = tree.token_to_kv_pool_allocator
     ledger = getattr(allocator, "_kvcached", None)
@@ -85,4 +97,6 @@ def _bound_pages(tree: Any, limit: int, evict: Callable[[int], object]) -> None:
     tokens_per_page = ledger.pool.blocks_per_page * int(allocator.page_size)
     allowed = -(-limit // tokens_per_page) + 1
     while int(tree.evictable_size()) > 0 and cached_pages(tree, tokens_per_page) > allowed:
-        evict(min(int(tree.evictable_size()), tokens_per_page))
+        # One token asks for the least recently used leaf alone: a prefix stays while the
+        # leaves below it (used less recently) can go first.
+        evict(1)

@@ -54,7 +54,9 @@ def main(model: str, out: str) -> None:
     import sglang
 
     shared = " ".join(f"w{j}" for j in range(40))
-    burst = [" ".join(f"w{(7 * i + j) % 250}" for j in range(24)) for i in range(6)]
+    # No prompt of the first six starts like the shared prefix: whether a shared-prefix request
+    # is scheduled before or after one of them finishes must not change what it finds cached.
+    burst = [" ".join(f"w{(100 + 7 * i + j) % 250}" for j in range(24)) for i in range(6)]
     burst += [f"{shared} w{100 + i} w{120 + i}" for i in range(4)]
     engine = sglang.Engine(
         model_path=model, device="cpu", attention_backend="torch_native",
