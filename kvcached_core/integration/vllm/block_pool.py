@@ -32,6 +32,29 @@ from kvcached_core.integration.vllm.config import engine_settings, pool_name
 from kvcached_core.ledger import LedgerSnapshot
 
 
+class _ChosenBlocks:
+    """Stands in for vLLM's free queue inside its own `get_new_blocks`, which takes blocks
+    only with `popleft_n` (vLLM >= 0.10) or `popleft` (0.9) and reads `num_free_blocks`: it
+    hands out exactly the blocks the elastic pool chose, in order. A new FreeKVCacheBlockQueue
+    of them would build and link two sentinel blocks on every allocation."""
+
+    __slots__ = ("_blocks", "num_free_blocks")
+
+    def __init__(self, blocks: list[Any]) -> None:
+        self._blocks = blocks
+        self.num_free_blocks = len(blocks)
+
+    def popleft_n(self, count: int) -> list[Any]:
+        if count > self.num_free_blocks:
+            raise ValueError(f"{count} blocks asked of {self.num_free_blocks} chosen")
+        taken, self._blocks = self._blocks[:count], self._blocks[count:]
+        self.num_free_blocks -= count
+        return taken
+
+    def popleft(self) -> Any:
+        return self.popleft_n(1)[0]
+
+
 class ElasticBlockPoolMixin:
     """Placed before vLLM's BlockPool in the MRO of the class `elastic_block_pool_class` makes."""
 
@@ -133,14 +156,21 @@ class ElasticBlockPoolMixin:
         return int(self.free_block_queue.num_free_blocks) + self._kv_parked_count
 
     def get_num_free_blocks(self) -> int:
-        """Blocks that can be handed out now: free in held pages, plus mappable pages."""
+        """Blocks that can be handed out now: free in held pages, plus mappable pages.
+
+        The scheduler asks once or twice per request and step: the arithmetic is inlined
+        (`_held_free_blocks`, `_logical_free_blocks`) and the pool is read once per step.
+        """
+        free = self.free_block_queue.num_free_blocks + self._kv_parked_count
         if self._kv_logical_view:
-            return self._logical_free_blocks()
+            return free
         unheld = self._kv_unheld_blocks
-        held_free = int(self.free_block_queue.num_free_blocks) - unheld + self._kv_parked_count
         if unheld == 0:
-            return held_free
-        return held_free + min(unheld, self._mappable_pages() * self._kv_k)
+            return free
+        mappable = self._kv_mappable_now
+        if mappable is None:
+            mappable = self._mappable_pages()
+        return free - unheld + min(unheld, mappable * self._kv_k)
 
     def _mappable_pages(self) -> int:
         mappable = self._kv_mappable_now
@@ -155,12 +185,15 @@ class ElasticBlockPoolMixin:
 
         A request holding the blocks of its c computed tokens needs at most
         ceil((c + t) / b) - ceil(c / b) <= ceil(t / b) new blocks for t more tokens (one more
-        is allowed for slack). False until the block size is known.
+        is allowed for slack). False until the block size is known. Asked once per request
+        and step, so `_held_free_blocks` is inlined.
         """
         block_tokens = self._kv_block_tokens
         if block_tokens <= 0:
             return False
-        return self._held_free_blocks() >= groups * (-(-tokens // block_tokens) + 1)
+        held_free = (self.free_block_queue.num_free_blocks - self._kv_unheld_blocks
+                     + self._kv_parked_count)
+        return held_free >= groups * (-(-tokens // block_tokens) + 1)
 
     # ------------------------------------------------------------------ allocation
 
@@ -188,7 +221,7 @@ class ElasticBlockPoolMixin:
                 self._kv_parked_count += 1
         # vLLM's own get_new_blocks does the per-block work (cache eviction, KV events,
         # ref counts, metrics) on exactly the chosen blocks, in queue order.
-        self.free_block_queue = type(queue)(chosen)
+        self.free_block_queue = _ChosenBlocks(chosen)
         parked_count, self._kv_parked_count = self._kv_parked_count, 0
         self._kv_logical_view = True
         try:

@@ -221,25 +221,6 @@ def _request_keyed_dicts(manager: Any) -> tuple[str, ...]:
 _ABSENT = object()
 
 
-def _token_bound(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """An upper bound on the tokens an allocate_slots call adds to its request, or None.
-
-    Every token count allocate_slots takes (new, new computed, external, lookahead, encoder
-    tokens, in every supported vLLM) is an int argument, so their sum bounds what the call can
-    add. A call that passes anything else (prefix-cache hits to touch) is not bounded here.
-    """
-    total = 0
-    for value in (*args, *kwargs.values()):
-        if value is None:
-            continue
-        if type(value) is not int and type(value) is not bool:
-            return None
-        if value < 0:
-            return None
-        total += value
-    return total
-
-
 def none_on_pool_exhausted(allocate_slots: F) -> F:
     """Decorate KVCacheManager.allocate_slots: a lost page race ends as "no blocks" (None).
 
@@ -252,13 +233,24 @@ def none_on_pool_exhausted(allocate_slots: F) -> F:
 
     @functools.wraps(allocate_slots)
     def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        block_pool = self.coordinator.block_pool
+        coordinator = self.coordinator
+        block_pool = coordinator.block_pool
         if not isinstance(block_pool, ElasticBlockPoolMixin):
             # vLLM's own pool (KVCACHED_ENABLE=0) never raises PoolExhausted.
             return allocate_slots(self, request, *args, **kwargs)
-        managers = self.coordinator.single_type_managers
-        tokens = _token_bound(args, kwargs)
-        if tokens is not None and block_pool.fits_in_held_pages(tokens, len(managers)):
+        managers = coordinator.single_type_managers
+        # An upper bound on the tokens the call adds to its request. Every token count
+        # allocate_slots takes (new, new computed, external, lookahead, encoder tokens, in
+        # every supported vLLM) is an int argument and never negative, and flags (bool) add
+        # at most 1 each, so the sum of the arguments bounds it. A call that passes anything
+        # else (prefix-cache hits to touch, None) stops the sum (TypeError) and is not
+        # bounded. Inline, not a helper: this runs once per request and engine step.
+        try:
+            tokens = sum(args) + sum(kwargs.values())
+        except TypeError:
+            tokens = None
+        if (type(tokens) is int and tokens >= 0
+                and block_pool.fits_in_held_pages(tokens, len(managers))):
             # Nothing to map, so no page race to lose: skip the snapshot, which costs
             # more than the allocation itself, on every decode step of every request.
             return allocate_slots(self, request, *args, **kwargs)
