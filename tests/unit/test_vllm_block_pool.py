@@ -295,3 +295,16 @@ def test_with_vllms_own_block_pool_allocate_slots_is_vllms_own() -> None:
     assert manager.allocate_slots(SimpleNamespace(request_id="A"), 2) == ["A", "A"]
     with pytest.raises(PoolExhausted):
         manager.allocate_slots(SimpleNamespace(request_id="A"), -1)
+
+
+def test_chosen_blocks_hand_out_exactly_the_chosen_blocks_in_order() -> None:
+    """vLLM's get_new_blocks takes blocks with popleft_n (>= 0.10) or popleft (0.9): the
+    stand-in queue gives exactly the elastic pool's choice, in order, and never more."""
+    from kvcached_core.integration.vllm.block_pool import _ChosenBlocks
+
+    chosen = _ChosenBlocks(["b3", "b7", "b9"])
+    assert chosen.popleft() == "b3"
+    assert chosen.popleft_n(2) == ["b7", "b9"]
+    assert chosen.num_free_blocks == 0
+    with pytest.raises(ValueError):
+        chosen.popleft_n(1)
