@@ -21,6 +21,10 @@ Targets: throughput >= 0.97 x stock, TTFT p50 <= 1.05 x, hit rate >= 0.99.
     python benchmarks/gpu_throughput.py --model DIR --stock-site DIR --patched-site DIR \\
         --out DIR [--configs v2-eager,v2-graphs,v1-eager,v1-graphs] [--bursts 20]
 
+`--side-by-side` runs every engine's bursts at the same time instead, each engine back to
+back, and pairs burst i with burst i: a change of the host's speed then falls on both engines'
+bursts, at the cost of both sharing the device (`side_by_side`).
+
 `--deadline-s` stops starting configurations that would not finish in time;
 `--burst-deadline-s` ends a configuration's alternation after that many seconds of bursts
 (the pairs measured so far are kept and summarized).
@@ -34,6 +38,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -232,6 +237,51 @@ def follow_idle(pools: dict[str, str], *, seconds: float, period_s: float, reser
     return report
 
 
+def side_by_side(engines: dict[str, EngineProcess], count: int, *, timeout: float,
+                 deadline_s: float, out: Path,
+                 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """Every engine bursts back to back, all at the same time, until each has `count` bursts
+    (or the deadline): burst i of one engine runs beside burst i of the others, so a change
+    of the host's speed falls on all of them alike. An engine that has its `count` keeps
+    bursting (those bursts are not kept) until the others have theirs, so that no measured
+    burst runs alone on the device. Returns the kept bursts, cut to the shortest engine's."""
+    bursts: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    lock = threading.Lock()
+    done = threading.Event()
+    stopped: dict[str, str] = {}
+    started = time.monotonic()
+
+    def loop(name: str) -> None:
+        index = 0
+        while not done.is_set():
+            burst = engines[name].burst(f"s{index}", timeout)
+            burst.pop("digests", None)
+            index += 1
+            with lock:
+                if burst.get("event") != "burst":
+                    stopped["error"] = f"{name} burst {index}: {burst}"
+                    done.set()
+                    return
+                if len(bursts[name]) < count:
+                    bursts[name].append(burst)
+                    (out / "bursts.json").write_text(json.dumps(bursts))
+                if all(len(kept) >= count for kept in bursts.values()):
+                    done.set()
+                elif deadline_s and time.monotonic() - started > deadline_s:
+                    stopped["stopped_early"] = (
+                        f"burst deadline after {min(map(len, bursts.values()))} bursts "
+                        f"of {count} side by side")
+                    done.set()
+
+    threads = [threading.Thread(target=loop, args=(name,), daemon=True) for name in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    kept = min(len(runs) for runs in bursts.values())
+    return {name: runs[:kept] for name, runs in bursts.items()}, stopped
+
+
 def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, Any]:
     env_extra, eager = CONFIGS[config]
     out.mkdir(parents=True, exist_ok=True)
@@ -278,8 +328,15 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
                     report["error"] = f"{spec.name} did not start: {message}"
                     return report
         names = list(engines)
-        bursts: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        order = abba_order(names, args.bursts + args.warmup)
+        if args.side_by_side:
+            bursts, stopped = side_by_side(engines, args.bursts + args.warmup,
+                                           timeout=args.burst_timeout,
+                                           deadline_s=args.burst_deadline_s, out=out)
+            report.update(stopped)
+            order = []
+        else:
+            bursts = {name: [] for name in names}
+            order = abba_order(names, args.bursts + args.warmup)
         alternation_started = time.monotonic()
         for index, name in enumerate(order):
             if (args.burst_deadline_s and index % len(names) == 0
@@ -340,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-timeout", type=float, default=120.0)
     parser.add_argument("--burst-deadline-s", type=float, default=0.0,
                         help="end a configuration's bursts after this many seconds (0: none)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="every engine bursts at the same time, back to back, paired by "
+                             "index, instead of one after another in ABBA order")
     parser.add_argument("--idle-follow-s", type=float, default=0.0,
                         help="follow the patched engines this long after the last burst")
     parser.add_argument("--idle-period-s", type=float, default=0.25)

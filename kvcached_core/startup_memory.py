@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvcached_core.limits import list_records, shm_dir
 from kvcached_core.settings import KVCachedSettings, current_settings
@@ -34,6 +35,7 @@ __all__ = [
     "StartupMemory",
     "StartupWindow",
     "acquire_startup_window",
+    "acquire_startup_windows_of_engine",
     "cuda_device_identity",
     "first_pages_bytes",
     "holds_startup_window",
@@ -266,6 +268,84 @@ def release_startup_windows() -> None:
         finally:
             os.close(fd)
         logger.debug("kvcached: released the start-up window of %s", device)
+
+
+# --- an engine spread over several devices ------------------------------------------------
+# Ranks of one engine measure together: their profiles run collectives, so no rank finishes
+# its measurement before every rank has. If each rank took its own device's window, two such
+# engines started together on the same devices could each hold one device and wait in their
+# collectives for a rank that waits for the other engine's device: neither would move until
+# the timeout let the waiting ranks go on without their windows. So the windows of an engine's
+# devices are taken as one acquisition, in one order that every engine follows:
+#   - the engine's ranks first tell each other (all-gather over the engine's CPU group) which
+#     window namespace (the shm directory, on this boot of this host) and device each uses;
+#   - namespaces are visited in sorted order; in each, the engine's lowest rank there takes
+#     the windows of every device the engine uses there, in sorted order, and a barrier over
+#     the engine's ranks follows, so no namespace is entered before the ones before it are held;
+#   - only then does any rank take its snapshot; the ranks that took windows release them as a
+#     single-device engine does (release_startup_windows), the others hold none.
+# Every engine takes windows in the same global order (namespace, device), and an engine holds
+# a window only while it waits for windows later in that order, so waits cannot form a cycle.
+# One timeout (the caller's) bounds the whole acquisition of one engine, not each window.
+
+
+def window_namespace(directory: str | os.PathLike[str] | None = None) -> str:
+    """What names the set of start-up windows a lock file in `directory` belongs to: this
+    boot of this host and the directory's file system and inode (two containers share windows
+    exactly when they share that directory)."""
+    path = shm_dir(directory)
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except OSError:
+        boot = os.uname().nodename
+    try:
+        stat = path.stat()
+        where = f"{stat.st_dev}:{stat.st_ino}"
+    except OSError:
+        where = str(path.resolve())
+    return f"{boot}:{where}"
+
+
+def acquire_startup_windows_of_engine(
+    device: str,
+    *,
+    group: Any,
+    timeout_s: float,
+    holder: str,
+    directory: str | os.PathLike[str] | None = None,
+) -> list[StartupWindow]:
+    """Take the start-up windows of every device an engine's ranks use, as one acquisition
+    (see above), and return the windows this rank took (none on a rank that is not the
+    lowest of its namespace).
+
+    Every rank of the engine calls this once, at the same point of its start, with its own
+    `device`; `group` is a `torch.distributed` process group of the engine's ranks that can
+    exchange Python objects (a CPU group; None: the default group). An engine of one rank
+    takes its own window, as `acquire_startup_window` does.
+    """
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) <= 1:
+        return [acquire_startup_window(device, timeout_s=timeout_s, holder=holder,
+                                       directory=directory)]
+    mine = (window_namespace(directory), device)
+    ranks: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, mine, group=group)
+    me = dist.get_rank(group)
+    deadline = time.monotonic() + timeout_s
+    taken: list[StartupWindow] = []
+    for namespace in sorted({entry[0] for entry in ranks}):
+        members = [rank for rank, entry in enumerate(ranks) if entry[0] == namespace]
+        if me == members[0]:
+            devices = sorted({ranks[rank][1] for rank in members})
+            logger.debug("kvcached: rank %d takes the start-up windows of %s for its engine",
+                         me, ", ".join(devices))
+            for each in devices:
+                taken.append(acquire_startup_window(
+                    each, timeout_s=max(0.0, deadline - time.monotonic()),
+                    holder=f"{holder} (rank {me} of {len(ranks)})", directory=directory))
+        dist.barrier(group=group)
+    return taken
 
 
 def holds_startup_window(device: str) -> bool:

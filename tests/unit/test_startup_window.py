@@ -367,3 +367,145 @@ def test_a_lock_file_this_user_cannot_write_still_serves_as_the_window(
     finally:
         waiting.kill()
         waiting.wait()
+
+
+# --- an engine over several ranks -------------------------------------------------------------
+# Real processes, real process groups (gloo over a rendezvous file): each rank runs what a
+# patched vLLM worker runs at start-up (`startup_snapshot`, then a profile whose collectives
+# need every rank of its engine, ended by `ends_startup_window`).
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, logging, sys, time
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    flavour, rendezvous, world, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
+        int(sys.argv[4]), sys.argv[5]
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, world_size=world,
+                            rank=rank)
+    if flavour == "vllm":  # what the rewritten Worker.init_device and its profile call
+        from kvcached_core.integration.vllm.startup_memory import (ends_startup_window,
+                                                                   startup_snapshot)
+
+        class Cuda0:
+            type, index = "cuda", 0
+
+        began = startup_snapshot(time.monotonic, Cuda0())
+        time.sleep(0.4)  # weights load: device-wide figures move
+        measured = time.monotonic()
+
+        @ends_startup_window
+        def determine_available_memory():
+            dist.barrier()  # the profile's collectives: every rank of this engine
+
+        determine_available_memory()
+    else:  # SGLang: the pre-load read over the world's CPU group, then the KV-profile read
+        from kvcached_core.integration.sglang.startup import elastic_free_memory_gb
+
+        shm = sys.argv[6]
+        seen = []
+
+        def measure(device, gpu_id, distributed=False, cpu_group=None):
+            seen.append(time.monotonic())
+            return 10.0
+
+        group = dist.new_group(backend="gloo")
+        elastic_free_memory_gb(measure, "cuda", 0, distributed=True, cpu_group=group,
+                               elastic=True, records_directory=shm, startup_window="begin")
+        time.sleep(0.4)
+        measured = time.monotonic()
+        dist.barrier(group=group)  # the weight load's and profile's collectives
+        elastic_free_memory_gb(measure, "cuda", 0, distributed=True, cpu_group=group,
+                               elastic=True, records_directory=shm, startup_window="end")
+        began = seen[0]
+    with open(out, "w") as f:
+        json.dump({"began": began, "measured": measured, "done": time.monotonic()}, f)
+    dist.barrier()
+    dist.destroy_process_group()  # gloo's threads abort a process that exits without this
+""")
+
+
+def start_engine(name: str, ranks: list[tuple[Path, str]], tmp_path: Path,
+                 timeout_s: float, flavour: str = "vllm",
+                 ) -> list[tuple[subprocess.Popen[str], Path]]:
+    """One engine: a rank per (window directory, device), started at once."""
+    rendezvous = tmp_path / f"{name}.rendezvous"
+    started = []
+    for rank, (shm, device) in enumerate(ranks):
+        out = tmp_path / f"{name}-{rank}.json"
+        env = {**os.environ, "KVCACHED_ENABLE": "1", "KVCACHED_SHM_DIR": str(shm),
+               "CUDA_VISIBLE_DEVICES": device, "KVCACHED_POOL_NAME": name,
+               "KVCACHED_START_WINDOW_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1",
+               "GLOO_SOCKET_IFNAME": "lo"}  # loopback: the host name may not resolve
+        started.append((subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, flavour, str(rendezvous), str(len(ranks)),
+             str(rank), str(out), str(shm)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True), out))
+    return started
+
+
+def measurement_span(ranks: list[tuple[subprocess.Popen[str], Path]],
+                     deadline_s: float) -> tuple[float, float]:
+    """(first snapshot, last end of a weight load) over the engine's ranks, once all exit."""
+    import json
+
+    spans = []
+    for process, out in ranks:
+        output, _ = process.communicate(timeout=deadline_s)
+        assert process.returncode == 0, output
+        assert "going on without it" not in output, output
+        record = json.loads(out.read_text())
+        spans.append((record["began"], record["measured"]))
+    return min(b for b, _ in spans), max(m for _, m in spans)
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+@pytest.mark.parametrize("layout", ["one host", "two hosts"])
+def test_engines_over_the_same_devices_in_crossed_order_measure_in_turns(
+        tmp_path: Path, layout: str, flavour: str) -> None:
+    """Engine X's ranks run on devices (A, B), engine Y's on (B, A). With a window per rank,
+    X's rank 0 and Y's rank 0 would each hold one device and wait in their profiles for a rank
+    that waits for the other's device, until the timeout. Taken as one acquisition per engine,
+    one engine measures, then the other, and neither waits out the timeout. "two hosts": the
+    devices' windows live in two directories (two hosts' /dev/shm). Both engines' start-up
+    reads: vLLM's snapshot to profile, SGLang's pre-load read to KV-profile read."""
+    first, second = tmp_path / "shm-1", tmp_path / "shm-2"
+    first.mkdir(), second.mkdir()
+    a = (first, "GPU-aaaaaaaa-0000-0000-0000-000000000000")
+    b = (first if layout == "one host" else second, "GPU-bbbbbbbb-0000-0000-0000-000000000000")
+    timeout_s = 60.0
+    started = time.monotonic()
+    x = start_engine("x", [a, b], tmp_path, timeout_s, flavour)
+    y = start_engine("y", [b, a], tmp_path, timeout_s, flavour)
+    x_span = measurement_span(x, deadline_s=timeout_s)
+    y_span = measurement_span(y, deadline_s=timeout_s)
+    assert time.monotonic() - started < timeout_s / 2
+    earlier, later = sorted([x_span, y_span])
+    assert earlier[1] <= later[0], (x_span, y_span)  # no measurement overlaps the other's
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_a_single_device_neighbour_delays_every_rank_of_an_engine(tmp_path: Path, shm: Path,
+                                                                   flavour: str) -> None:
+    """A neighbour measuring on one of the engine's devices holds back the engine's ranks on
+    the other devices too: they all measure together, after it. (With a window per rank, the
+    rank on the other device would measure at once, beside the neighbour.)"""
+    b = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+    neighbour = Holder(shm, device=cuda_device_identity(0, {"CUDA_VISIBLE_DEVICES": b}))
+    try:
+        engine = start_engine("x", [(shm, "GPU-aaaaaaaa-0000-0000-0000-000000000000"),
+                                    (shm, b)], tmp_path, timeout_s=60.0, flavour=flavour)
+        lowest_rank = engine[0][0]
+        assert lowest_rank.stdout is not None
+        for line in lowest_rank.stdout:  # the rank that takes the engine's windows waits
+            if "waiting for the start-up window" in line:
+                assert "engine neighbour" in line
+                break
+        time.sleep(0.5)
+        released = time.monotonic()
+        neighbour.send("release")
+        assert neighbour.read() == "released"
+        began, _ = measurement_span(engine, deadline_s=60.0)
+        assert began >= released
+    finally:
+        neighbour.stop()

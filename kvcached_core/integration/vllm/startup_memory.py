@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvcached_core.integration.vllm.config import engine_settings, pool_name
@@ -41,6 +42,7 @@ from kvcached_core.startup_memory import (
     GIB,
     StartupMemory,
     acquire_startup_window,
+    acquire_startup_windows_of_engine,
     cuda_device_identity,
     first_pages_bytes,
     neighbour_kv_bytes,
@@ -153,17 +155,53 @@ def startup_snapshot(take: Callable[[], T], device: Any = None, *,
 
     Elastic on a CUDA device: wait until no other elastic engine on the device is between its
     own snapshot and the end of its profile (at most `KVCACHED_START_WINDOW_TIMEOUT`), then
-    hold the window until this engine's profile is done. Stock (`KVCACHED_ENABLE=0`) or
-    another device type (the CPU worker, tests): `take()` and nothing else.
+    hold the window until this engine's profile is done. An engine over several ranks whose
+    process groups exist already takes the windows of all its devices as one acquisition
+    (`acquire_startup_windows_of_engine`): every rank calls this at the same point. Stock
+    (`KVCACHED_ENABLE=0`) or another device type (the CPU worker, tests): `take()` and nothing
+    else.
     """
     settings = engine_settings(environ)
     if settings.enabled:
         index = _cuda_index(device)
         if index is not None:
-            acquire_startup_window(cuda_device_identity(index, environ),
-                                   timeout_s=settings.start_window_timeout_s,
-                                   holder=pool_name(environ), directory=settings.shm_dir)
+            identity = cuda_device_identity(index, environ)
+            ranks = _engine_ranks()
+            if ranks is None:
+                acquire_startup_window(identity, timeout_s=settings.start_window_timeout_s,
+                                       holder=pool_name(environ), directory=settings.shm_dir)
+            else:
+                acquire_startup_windows_of_engine(
+                    identity, group=ranks.group, timeout_s=settings.start_window_timeout_s,
+                    holder=pool_name(environ), directory=settings.shm_dir)
     return take()
+
+
+@dataclass(frozen=True)
+class _EngineRanks:
+    group: Any  # a torch.distributed CPU group of the engine's ranks; None: the default group
+
+
+def _engine_ranks() -> _EngineRanks | None:
+    """The engine's ranks, when they can already talk to each other.
+
+    From vLLM 0.11 the worker joins the engine's process groups before its snapshot, so the
+    ranks of an engine spread over several devices take their windows as one acquisition
+    (`acquire_startup_windows_of_engine`). Up to 0.10 the snapshot comes first: each rank
+    takes its own device's window (`docs/runtime.md` says what that leaves)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group().cpu_group
+    except Exception:  # not a vLLM process, or its world group is not set up yet
+        group = None
+    return _EngineRanks(group)
 
 
 def _cuda_index(device: Any) -> int | None:
