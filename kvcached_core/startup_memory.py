@@ -320,12 +320,14 @@ def acquire_startup_windows_of_engine(
 
     Every rank of the engine calls this once, at the same point of its start, with its own
     `device`; `group` is a `torch.distributed` process group of the engine's ranks that can
-    exchange Python objects (a CPU group; None: the default group). An engine of one rank
-    takes its own window, as `acquire_startup_window` does.
+    exchange Python objects (a CPU group; None: the default group). An engine of one rank, or
+    a process whose ranks cannot talk yet (no process group set up), takes its own device's
+    window, as `acquire_startup_window` does.
     """
     import torch.distributed as dist
 
-    if dist.get_world_size(group) <= 1:
+    if (not dist.is_available() or not dist.is_initialized()
+            or dist.get_world_size(group) <= 1):
         return [acquire_startup_window(device, timeout_s=timeout_s, holder=holder,
                                        directory=directory)]
     mine = (window_namespace(directory), device)

@@ -12,7 +12,6 @@ from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.sglang.switch import elastic_enabled, sglang_settings
 from kvcached_core.startup_memory import (
     GIB,
-    acquire_startup_window,
     acquire_startup_windows_of_engine,
     cuda_device_identity,
     neighbour_kv_bytes,
@@ -109,8 +108,7 @@ def elastic_free_memory_gb(
     if not is_elastic:
         return measure(*args, distributed=distributed, cpu_group=cpu_group, **kwargs)
     if startup_window == "begin":
-        _acquire_window_of(*args, engine_group=cpu_group if distributed else _ONE_RANK,
-                           **kwargs)
+        _acquire_window_of(*args, engine_group=cpu_group, **kwargs)
     elif startup_window == "end":
         try:
             return _elastic_figure_gb(measure, args, kwargs, distributed=distributed,
@@ -149,31 +147,22 @@ def _elastic_figure_gb(
     return counted_gb
 
 
-# `engine_group` of an engine that runs on one rank (SGLang's `distributed=False`).
-_ONE_RANK = object()
-
-
 def _acquire_window_of(device: Any = None, gpu_id: Any = None, *_: Any,
-                       engine_group: Any = _ONE_RANK, **__: Any) -> None:
+                       engine_group: Any = None, **__: Any) -> None:
     """Wait for the start-up window of the device SGLang's measure
     `get_available_gpu_memory(device, gpu_id, ...)` reads (by position or by name; `gpu_id`
     is this process's CUDA index when `device` is "cuda"), when it is a CUDA device.
 
-    An engine over several ranks (`engine_group`: the CPU group SGLang reduces the figure
-    over) takes the windows of all its devices as one acquisition; every rank reads this
-    figure at the same point, after the engine's process groups exist."""
+    Every rank reads this figure at the same point, after the engine's process groups exist:
+    an engine over several ranks (`engine_group`: the world's CPU group, which SGLang reduces
+    the figure over) takes the windows of all its devices as one acquisition."""
     if device != "cuda" or gpu_id is None:
         return
     settings = sglang_settings()
-    identity = cuda_device_identity(int(gpu_id))
-    holder = settings.pool_name or f"sglang pid {os.getpid()}"
-    if engine_group is _ONE_RANK:
-        acquire_startup_window(identity, timeout_s=settings.start_window_timeout_s,
-                               holder=holder, directory=settings.shm_dir)
-    else:
-        acquire_startup_windows_of_engine(identity, group=engine_group,
-                                          timeout_s=settings.start_window_timeout_s,
-                                          holder=holder, directory=settings.shm_dir)
+    acquire_startup_windows_of_engine(cuda_device_identity(int(gpu_id)), group=engine_group,
+                                      timeout_s=settings.start_window_timeout_s,
+                                      holder=settings.pool_name or f"sglang pid {os.getpid()}",
+                                      directory=settings.shm_dir)
 
 
 def _min_across_ranks(value: float, cpu_group: Any) -> float:

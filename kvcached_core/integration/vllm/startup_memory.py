@@ -34,14 +34,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvcached_core.integration.vllm.config import engine_settings, pool_name
 from kvcached_core.startup_memory import (
     GIB,
     StartupMemory,
-    acquire_startup_window,
     acquire_startup_windows_of_engine,
     cuda_device_identity,
     first_pages_bytes,
@@ -165,43 +163,26 @@ def startup_snapshot(take: Callable[[], T], device: Any = None, *,
     if settings.enabled:
         index = _cuda_index(device)
         if index is not None:
-            identity = cuda_device_identity(index, environ)
-            ranks = _engine_ranks()
-            if ranks is None:
-                acquire_startup_window(identity, timeout_s=settings.start_window_timeout_s,
-                                       holder=pool_name(environ), directory=settings.shm_dir)
-            else:
-                acquire_startup_windows_of_engine(
-                    identity, group=ranks.group, timeout_s=settings.start_window_timeout_s,
-                    holder=pool_name(environ), directory=settings.shm_dir)
+            acquire_startup_windows_of_engine(
+                cuda_device_identity(index, environ), group=_world_cpu_group(),
+                timeout_s=settings.start_window_timeout_s, holder=pool_name(environ),
+                directory=settings.shm_dir)
     return take()
 
 
-@dataclass(frozen=True)
-class _EngineRanks:
-    group: Any  # a torch.distributed CPU group of the engine's ranks; None: the default group
-
-
-def _engine_ranks() -> _EngineRanks | None:
-    """The engine's ranks, when they can already talk to each other.
+def _world_cpu_group() -> Any:
+    """vLLM's world group as a CPU group, where it is set up; else None (torch's default group).
 
     From vLLM 0.11 the worker joins the engine's process groups before its snapshot, so the
-    ranks of an engine spread over several devices take their windows as one acquisition
-    (`acquire_startup_windows_of_engine`). Up to 0.10 the snapshot comes first: each rank
-    takes its own device's window (`docs/runtime.md` says what that leaves)."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        return None
+    ranks of an engine spread over several devices take their windows as one acquisition.
+    Up to 0.10 the snapshot comes first and no group exists yet: each rank takes its own
+    device's window (`docs/runtime.md` says what that leaves)."""
     try:
         from vllm.distributed.parallel_state import get_world_group
 
-        group = get_world_group().cpu_group
+        return get_world_group().cpu_group
     except Exception:  # not a vLLM process, or its world group is not set up yet
-        group = None
-    return _EngineRanks(group)
+        return None
 
 
 def _cuda_index(device: Any) -> int | None:
