@@ -509,3 +509,28 @@ def test_a_single_device_neighbour_delays_every_rank_of_an_engine(tmp_path: Path
         assert began >= released
     finally:
         neighbour.stop()
+
+
+def test_one_timeout_bounds_the_whole_acquisition_of_an_engine(tmp_path: Path,
+                                                               shm: Path) -> None:
+    """Neighbours that never release hold both of an engine's devices: the engine goes on
+    after its one timeout, not after one timeout per device."""
+    a, b = ("GPU-aaaaaaaa-0000-0000-0000-000000000000",
+            "GPU-bbbbbbbb-0000-0000-0000-000000000000")
+    neighbours = [Holder(shm, device=cuda_device_identity(0, {"CUDA_VISIBLE_DEVICES": each}))
+                  for each in (a, b)]
+    try:
+        engine = start_engine("x", [(shm, a), (shm, b)], tmp_path, timeout_s=2.0)
+        outputs = []
+        for process, out in engine:
+            output, _ = process.communicate(timeout=60)
+            assert process.returncode == 0, output
+            assert out.is_file()
+            outputs.append(output)
+        gave_up = [line for line in outputs[0].splitlines() if "going on without it" in line]
+        assert len(gave_up) == 2, outputs[0]  # the lowest rank waited for both devices
+        assert "waited 2 s" in gave_up[0] and "waited 0 s" in gave_up[1], gave_up
+        assert "going on without it" not in outputs[1]  # the other rank waited for none
+    finally:
+        for neighbour in neighbours:
+            neighbour.stop()
