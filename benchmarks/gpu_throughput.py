@@ -289,6 +289,10 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
                                   enable_prefix_caching=False, enforce_eager=eager,
                                   load_format=args.load_format,
                                   gpu_memory_utilization=args.gpu_mem_util)
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.device_kind == "cpu":
         kwargs.pop("gpu_memory_utilization")
         kwargs["kv_cache_memory_bytes"] = args.cpu_kv_bytes
@@ -389,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-reserved-pages", type=int, default=10)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--gpu-mem-util", type=float, default=0.3)
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="sequences per step (0: the engine's default)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
+                        help="tokens per step (0: the engine's default)")
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--device-kind", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--cpu-kv-bytes", type=int, default=256 * MIB)

@@ -10,7 +10,12 @@ the GPU machine. Sizes (Llama layout, bf16, 128-wide heads):
   64 KiB of KV per token);
 - `3b`: hidden 3072, 28 layers, 24 heads, 8 KV heads, MLP 8192 (2.8 B parameters,
   112 KiB of KV per token): large enough that GPU work, not the scheduler's Python,
-  dominates a decode step of a hundred sequences.
+  dominates a decode step of a hundred sequences;
+- `8b`: Llama 3 8B's shape (hidden 4096, 32 layers, MLP 14336; 128 KiB of KV per token);
+- `17b-wide`: Llama 3 70B's layer width over 20 layers (hidden 8192, 64 heads, 8 KV heads,
+  MLP 28672; 17.1 B parameters, 80 KiB of KV per token): each kernel launch carries several
+  times the 8b's GPU work, so an eager decode step of 512 sequences waits on the GPU, not on
+  the host launching it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ SIZES: dict[str, dict[str, int]] = {
     # (the 3b step is bound by the engine's CPU loop).
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8),
+    # Eager mode launches every kernel from Python: an 8b step of 128 sequences is host work
+    # (about 21 ms eager against 8 ms with CUDA graphs on an H200). Wider layers and fewer of
+    # them put more GPU work behind each launch.
+    "17b-wide": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=20,
+                     num_attention_heads=64, num_key_value_heads=8),
 }
 HEAD_DIM = 128
 

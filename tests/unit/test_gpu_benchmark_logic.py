@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gpu_colocation  # noqa: E402
 import gpu_throughput  # noqa: E402
+import make_random_llama  # noqa: E402
 from gpu_engine_server import PromptSet, output_digest, percentile  # noqa: E402
 
 
@@ -69,6 +70,19 @@ def test_physical_limit_holds_the_working_set_and_the_reserve(tmp_path: Path) ->
     limit = gpu_throughput.physical_limit(args)
     assert limit % page == 0
     assert working_set + 10 * page <= limit <= working_set + 13 * page
+
+
+def test_the_wide_model_is_a_17b_llama_with_80_kib_of_kv_per_token(tmp_path: Path) -> None:
+    source = tmp_path / "tiny"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"vocab_size": 1024, "hidden_size": 256}))
+    (source / "tokenizer.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights")
+    config = make_random_llama.make(source, tmp_path / "wide", "17b-wide")
+    assert sorted(p.name for p in (tmp_path / "wide").iterdir()) == ["config.json",
+                                                                      "tokenizer.json"]
+    assert 17.0e9 < make_random_llama.parameters(config) < 17.2e9
+    assert gpu_throughput.kv_bytes_per_token(tmp_path / "wide") == 80 * 1024
 
 
 def test_colocation_counts_failed_requests_and_outputs_unlike_the_solo_run() -> None:
