@@ -5,7 +5,9 @@ engine per KV layout run side by side on the GPU, and bursts alternate between t
 ABBA order (stock, patched, patched, stock, ...) `--bursts` times each, so slow drift of the
 machine falls on both alike. A model of 1-3 B parameters with random weights
 (`load_format="dummy"`: only config.json and the tokenizer are read) makes GPU work dominate
-each step. Reported per configuration and layout:
+each step. In eager mode Python launches every kernel, so the step needs more GPU work behind
+each launch: `make_random_llama.py --size 17b-wide` with `--max-num-seqs 512`. Reported per
+configuration and layout:
 
 - throughput ratio patched / stock: the median of the per-pair ratios (burst i of patched
   over burst i of stock) with a bootstrap 95% confidence interval;
