@@ -6,7 +6,9 @@
 
 pull-request.yml: lint and the project's tests, then one job per supported cell (its build
 session, then its test session). upgrade.yml: daily, the upgrade scan, then one upgrade check
-per new release, its report uploaded and its experimental cell proposed as a pull request.
+per release it lists as unchecked, its report uploaded; a proposed experimental cell becomes a
+pull request, a release that cannot be proposed or whose proposed cell fails its proofs an issue
+(ci/hosting.py), and the job then fails, so the scheduled run is red.
 
 Only `supported` cells get pull-request jobs: an experimental cell was built and proven by the
 upgrade check that wrote it, and keeping it out means the upgrade's pull request changes no
@@ -274,11 +276,20 @@ def pull_request_workflow(sessions: Sequence[Mapping], cells: Sequence[Mapping],
     }
 
 
-# upgrade-scan --json: [{"engine", "newest_cell", "newest_cell_version", "newer": [...]}];
-# the check job wants one {"engine", "version"} per newer release.
-SCAN_SCRIPT = """\
+# upgrade-scan --json: [{"engine", "newest_cell", "newest_cell_version", "newer": [...],
+# "unchecked": [...]}]; "unchecked" holds every release to check (the newer ones, releases in the
+# supported span whose series is no cell and is not declared skipped, newer post releases of a
+# cell's series). The check job wants one {"engine", "version"} per unchecked release, at most
+# MAX_CHECKS of them: GitHub refuses a matrix of more than 256 jobs.
+MAX_CHECKS = 256
+SCAN_SCRIPT = f"""\
 nox -s upgrade-scan -- --json > scan.json
-releases=$(jq -c '[.[] | {engine, version: .newer[]}]' scan.json)
+all=$(jq -c '[.[] | .engine as $engine | .unchecked[] | {{engine: $engine, version: .}}]' scan.json)
+releases=$(jq -c '.[:{MAX_CHECKS}]' <<< "$all")
+total=$(jq length <<< "$all")
+if [ "$total" -gt {MAX_CHECKS} ]; then
+  echo "::warning::$total releases to check; this run checks the first {MAX_CHECKS}"
+fi
 echo "releases=$releases" >> "$GITHUB_OUTPUT"
 echo "count=$(jq length <<< "$releases")" >> "$GITHUB_OUTPUT"
 """
@@ -287,8 +298,22 @@ echo "count=$(jq length <<< "$releases")" >> "$GITHUB_OUTPUT"
 # seam has a working transform); the report folder keeps the unreviewed diffs. No --no-l1: the
 # scheduled job has the time (timeout-minutes below) to run the cell's L0 and L1 on the trial
 # build, and the cell it proposes then carries its measured L1 floor.
+# The step itself succeeds: it hands the check's exit status (0 a cell proposed or the release
+# already a cell, 3 no cell can be proposed, 4 the proposed cell failed its trial build or L0/L1,
+# 1 bad input or infrastructure) and the report's outcome to the steps after it, so the report is
+# uploaded and the issue written before the last step fails the job on that status. GitHub runs
+# `bash -e`: `set +e` keeps the status.
 CHECK_SCRIPT = """\
+set +e
 nox -s upgrade-check -- "$ENGINE" "$VERSION" --out "$REPORT_DIR" --write-cell
+status=$?
+set -e
+echo "status=$status" >> "$GITHUB_OUTPUT"
+outcome=""
+if [ -f "$REPORT_DIR/report.json" ]; then
+  outcome=$(jq -r '.outcome // ""' "$REPORT_DIR/report.json" || true)
+fi
+echo "outcome=$outcome" >> "$GITHUB_OUTPUT"
 """
 
 # The pull request's description: the report, and where its folder (unreviewed diffs, trial
@@ -300,6 +325,34 @@ DESCRIBE_SCRIPT = """\
   echo "The report folder, unreviewed diffs included, is the artifact $ARTIFACT of $RUN_URL"
 } > "$RUNNER_TEMP/pull-request.md"
 """
+
+# Opens the release's issue, or rewrites the open one (status 3 or 4); closes it with a comment
+# once the release is proposed or is a cell (status 0). Without an artifact URL (an older
+# upload-artifact, a failed upload) the issue links the run.
+ISSUE_SCRIPT = """\
+python ci/hosting.py upgrade-issue --report "$REPORT_DIR" --artifact-url "$ARTIFACT_URL"
+"""
+
+# The last step: the job fails when the check did not end with a proposed cell (or a release
+# that already is one), so the scheduled run is red until someone looks.
+FAIL_SCRIPT = """\
+case "$STATUS" in
+  3) why="no cell can be proposed: a required seam has no working transform" ;;
+  4) why="the proposed cell failed its trial build or L0/L1" ;;
+  *) why="the check did not finish (bad input or infrastructure)" ;;
+esac
+title="upgrade-check $ENGINE $VERSION"
+echo "::error title=$title::exit status $STATUS, $why; see the artifact $ARTIFACT"
+exit "${STATUS:-1}"
+"""
+
+CHECK_STATUS = "steps.check.outputs.status"
+# a cell was proposed: the pull request steps run
+PROPOSED = f"{CHECK_STATUS} == '0' && steps.check.outputs.outcome == 'proposed'"
+# the check ended with a report whose outcome the issue step acts on
+REPORTED = (f"!cancelled() && ({CHECK_STATUS} == '3' || {CHECK_STATUS} == '4' || "
+            f"{CHECK_STATUS} == '0')")
+FAILED = f"!cancelled() && {CHECK_STATUS} != '0'"
 
 
 def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
@@ -331,20 +384,24 @@ def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
                 "if": "needs.scan.outputs.count != '0'",
                 "runs-on": RUNNER,
                 "timeout-minutes": 120,
-                # Only this job writes: the branch and the pull request of the new cell.
-                "permissions": {"contents": "write", "pull-requests": "write"},
+                # Only this job writes: the branch and the pull request of the new cell, the
+                # release's issue.
+                "permissions": {"contents": "write", "pull-requests": "write",
+                                "issues": "write"},
                 "strategy": {
                     "fail-fast": False,
                     "matrix": {"include": "${{ fromJSON(needs.scan.outputs.releases) }}"},
                 },
                 "env": {"ENGINE": "${{ matrix.engine }}", "VERSION": "${{ matrix.version }}",
-                        "REPORT_DIR": report_dir},
+                        "REPORT_DIR": report_dir, "ARTIFACT": artifact},
                 "steps": [
                     *_setup_steps(python, nox,
                                   "forge-${{ runner.os }}-upgrade-${{ matrix.engine }}"),
-                    {"name": f"nox -s upgrade-check -- {release}", "run": CHECK_SCRIPT},
+                    {"name": f"nox -s upgrade-check -- {release}", "id": "check",
+                     "run": CHECK_SCRIPT},
                     {
                         "name": "Upload the report",
+                        "id": "upload",
                         "if": "always()",
                         "uses": UPLOAD_ARTIFACT,
                         "with": {
@@ -355,14 +412,14 @@ def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
                     },
                     {
                         "name": "Describe the pull request",
-                        "env": {"ARTIFACT": artifact,
-                                "RUN_URL": "${{ github.server_url }}/${{ github.repository }}"
+                        "if": PROPOSED,
+                        "env": {"RUN_URL": "${{ github.server_url }}/${{ github.repository }}"
                                            "/actions/runs/${{ github.run_id }}"},
                         "run": DESCRIBE_SCRIPT,
                     },
                     {
-                        # Opens nothing when the check proposed no cell: matrix.toml is unchanged.
                         "name": "Open a pull request with the experimental cell",
+                        "if": PROPOSED,
                         "uses": CREATE_PULL_REQUEST,
                         "with": {
                             "branch": "upgrade/${{ matrix.engine }}-${{ matrix.version }}",
@@ -372,6 +429,19 @@ def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
                             "body-path": "${{ runner.temp }}/pull-request.md",
                             "add-paths": "matrix.toml",
                         },
+                    },
+                    {
+                        "name": "Open, update or close the release's issue",
+                        "if": REPORTED,
+                        "env": {"GITHUB_TOKEN": "${{ github.token }}",
+                                "ARTIFACT_URL": "${{ steps.upload.outputs.artifact-url }}"},
+                        "run": ISSUE_SCRIPT,
+                    },
+                    {
+                        "name": "Fail when the check did not pass",
+                        "if": FAILED,
+                        "env": {"STATUS": f"${{{{ {CHECK_STATUS} }}}}"},
+                        "run": FAIL_SCRIPT,
                     },
                 ],
             },
