@@ -170,12 +170,33 @@ def forge(session: nox.Session) -> None:
     session.run("python", "-m", "forge", *(session.posargs or ["--help"]))
 
 
+def upgrade_check_args_problem(args: list[str]) -> str | None:
+    """Why `nox -s upgrade-check -- <args>` cannot run (checked before any install), or None:
+    the engine must have a cell in matrix.toml and the release must be a version or `latest`."""
+    from packaging.version import InvalidVersion, Version
+
+    usage = "nox -s upgrade-check -- vllm 0.34.0 (or latest)"
+    positional = [arg for arg in args if not arg.startswith("-")]
+    if len(positional) < 2 or args[:2] != positional[:2]:
+        return f"give the engine and the release first: {usage}"
+    engine, release = positional[:2]
+    engines = sorted({cell["engine"] for cell in _cells()})
+    if engine not in engines:
+        return f"unknown engine {engine!r} (engines with cells: {', '.join(engines)})"
+    if release != "latest":
+        try:
+            Version(release)
+        except InvalidVersion:
+            return f"{release!r} is not a version: {usage}"
+    return None
+
+
 @nox.session(name="upgrade-check", python=PYTHON, tags=["upgrade"], default=False)
 def upgrade_check(session: nox.Session) -> None:
     """Try every transform on a new upstream release: nox -s upgrade-check -- vllm latest."""
-    if len(session.posargs) < 2:
-        session.error("give the engine and the release: nox -s upgrade-check -- vllm 0.33.0 "
-                      "(or latest)")
+    problem = upgrade_check_args_problem(session.posargs)
+    if problem:  # before anything is installed
+        session.error(problem)
     if "--no-build" in session.posargs:
         session.install(*FORGE_DEPS)
     else:

@@ -26,12 +26,8 @@ sys.path.insert(0, str(ROOT))
 from forge.fetch import default_cache_dir, fetch_artifact, resolve_index_url  # noqa: E402
 from forge.matrix import load_matrix  # noqa: E402
 from forge.registry import default_registry  # noqa: E402
-from forge.upgrade import (  # noqa: E402
-    UpgradeReport,
-    nearest_cell,
-    resolve_release,
-    run_upgrade_check,
-)
+from forge.upgrade import UpgradeReport, run_upgrade_check  # noqa: E402
+from forge.upgrade.release import nearest_cell, resolve_release  # noqa: E402
 
 TARGET_S = 180.0
 

@@ -51,6 +51,7 @@ from codemods.vllm import block_pool as _vllm_block_pool
 from codemods.vllm import engine_core as _vllm_engine_core
 from codemods.vllm import kv_buffers as _vllm_kv_buffers
 from codemods.vllm import kv_buffers_attn_groups as _vllm_kv_buffers_attn_groups
+from codemods.vllm import kv_buffers_shared_helper as _vllm_kv_buffers_shared_helper
 from codemods.vllm import startup_memory as _vllm_startup_memory
 
 # --- the seams every build of an engine must cover -----------------------------------------
@@ -76,8 +77,10 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
                  note="the profile charges every device-wide change of used memory between "
                       "the worker's initial snapshot and the end of its profile to itself, so "
                       "elastic engines on one device take that window in turn"),
-    RequiredSeam("vllm", "kv-buffers-v1-runner",
-                 note="the V1 GPUModelRunner allocates the KV buffers of every release"),
+    RequiredSeam("vllm", "kv-buffers-v1-runner", "<0.34",
+                 note="the V1 GPUModelRunner allocates the KV buffers of every release up to "
+                      "0.33; 0.34 removed it (vllm/v1/worker/gpu_model_runner.py): Model "
+                      "Runner V2 is vLLM's only GPU runner from then on"),
     RequiredSeam("vllm", "kv-buffers-v2-runner", ">=0.22",
                  note="Model Runner V2 exists from 0.12 but is opt-in "
                       "(VLLM_USE_V2_MODEL_RUNNER=1) until 0.22, which makes it the default "
@@ -733,7 +736,7 @@ CODEMODS += [
         id="vllm-block-pool",
         seam="block-pool",
         engine="vllm",
-        versions=">=0.9.2,<0.34",
+        versions=">=0.9.2,<0.35",
         anchor="vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.__init__: BlockPool(...)",
         targets=("{package}/v1/core/kv_cache_coordinator.py",),
         expected_hits=1,
@@ -750,7 +753,7 @@ CODEMODS += [
         id="vllm-allocate-slots-race",
         seam="allocate-slots-race",
         engine="vllm",
-        versions=">=0.9.2,<0.34",
+        versions=">=0.9.2,<0.35",
         anchor="vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots (decorator)",
         targets=("{package}/v1/core/kv_cache_manager.py",),
         expected_hits=1,
@@ -767,7 +770,7 @@ CODEMODS += [
         id="vllm-engine-step-release",
         seam="step-end-release",
         engine="vllm",
-        versions=">=0.9.2,<0.34",
+        versions=">=0.9.2,<0.35",
         anchor="vllm.v1.engine.core.EngineCore.step, EngineCore.step_with_batch_queue "
                "(decorators)",
         targets=("{package}/v1/engine/core.py",),
@@ -785,7 +788,7 @@ CODEMODS += [
         id="vllm-engine-shutdown",
         seam="shutdown",
         engine="vllm",
-        versions=">=0.9.2,<0.34",
+        versions=">=0.9.2,<0.35",
         anchor="vllm.v1.engine.core.EngineCore.shutdown (decorator)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=1,
@@ -816,7 +819,7 @@ CODEMODS += [
         id="vllm-kv-budget-user-bytes",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.10.2,<0.34",
+        versions=">=0.10.2,<0.35",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
         targets=("{package}/v1/engine/core.py",),
@@ -952,6 +955,27 @@ CODEMODS += [
         forwarded="no",
         last_update=_VLLM_REVIEWED,
     ),
+    CodemodDeclaration(
+        id="vllm-kv-buffers-shared-helper",
+        seam="kv-buffers-v2-runner",
+        engine="vllm",
+        versions=">=0.34,<0.35",
+        anchor="vllm.v1.worker.utils._allocate_kv_cache_buffer: torch.zeros(..., "
+               "dtype=torch.int8, ...), its new kvcached_regions parameter, and the call in "
+               "allocate_kv_cache",
+        targets=("{package}/v1/worker/utils.py",),
+        expected_hits=3,
+        why="As vllm-kv-buffers-shared: in 0.34 the int8 zeros of the one backing buffer moved "
+            "into _allocate_kv_cache_buffer(raw_size, device), which is not given the "
+            "KVCacheTensors, so its one caller allocate_kv_cache passes their regions in. "
+            "allocate_kv_cache's new allocate= hook (vLLM's own extensible KV cache) is left "
+            "alone: with elastic mode on it yields no VMM pool and the engine refuses to start.",
+        retire_when="vLLM's allocate= hook is given the KVCacheTensors' regions (then pass an "
+                    "elastic allocate instead of rewriting the helper).",
+        codemod=_vllm_kv_buffers_shared_helper.SharedKVBufferFromCaller,
+        forwarded="no",
+        last_update="2026-12-04",
+    ),
     # Start-up memory checks of the GPU worker: next to elastic neighbours whose memory moves
     # while this engine starts (adapter: integration/vllm/startup_memory.py).
     CodemodDeclaration(
@@ -976,7 +1000,7 @@ CODEMODS += [
         id="vllm-startup-free-memory",
         seam="startup-free-memory",
         engine="vllm",
-        versions=">=0.14,<0.34",
+        versions=">=0.14,<0.35",
         anchor="vllm.v1.worker.utils.request_memory: init_snapshot.free_memory < "
                "requested_memory (and < engine_memory where weights are held outside, 0.32)",
         targets=("{package}/v1/worker/utils.py",),
@@ -993,7 +1017,7 @@ CODEMODS += [
         id="vllm-memory-profile-check",
         seam="memory-profile-check",
         engine="vllm",
-        versions=">=0.9.2,<0.34",
+        versions=">=0.9.2,<0.35",
         anchor="vllm.v1.worker.gpu_worker.Worker.determine_available_memory: "
                "assert <initial free> >= free_gpu_memory ('Error in memory profiling')",
         targets=("{package}/v1/worker/gpu_worker.py",),
@@ -1020,7 +1044,7 @@ CODEMODS += [
         id="vllm-startup-window",
         seam="startup-window",
         engine="vllm",
-        versions=">=0.9.2,<0.34",
+        versions=">=0.9.2,<0.35",
         anchor="vllm.v1.worker.gpu_worker.Worker.init_device: self.init_snapshot = "
                "MemorySnapshot(...); Worker.determine_available_memory, "
                "Worker.initialize_from_config (decorators)",

@@ -15,11 +15,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from forge.errors import ForgeError, PublishError, WheelError
 from forge.fetch import default_cache_dir
-from forge.matrix import Matrix, load_matrix
+from forge.matrix import Cell, Matrix, load_matrix
 from forge.registry import PATCHES_ROOT, Registry, Transform, default_registry
 from forge.repack import PROVENANCE_FILE
 
@@ -180,7 +181,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     elif command == "publish":
         _publish(args)
     elif command == "upgrade-check":
-        _upgrade_check(args)
+        return _upgrade_check(args)
     elif command == "upgrade-scan":
         _upgrade_scan(args)
     elif command == "verify-installed":
@@ -220,22 +221,27 @@ def _seams(transform: Transform) -> str:
 
 
 def _check_matrix(matrix: Matrix, registry: Registry) -> int:
+    """Every problem, one line each: the registry's, each cell whose transforms do not resolve,
+    each supported cell whose record is stale. A first bad cell hides none of the others."""
     from forge.proven import stale_records
     from forge.transforms import select_transforms
 
-    problems = registry.lint()
-    if problems:
-        raise ForgeError(f"registry: {problems[0]}")
-    # select_transforms fails on the first cell that does not resolve, naming it.
-    counts = ", ".join(
-        f"{cell.name}: {len(select_transforms(registry, cell))} transforms" for cell in matrix.cells
-    )
-    stale = stale_records(matrix, registry)
-    for line in stale:
+    problems = [f"registry: {problem}" for problem in registry.lint()]
+    counts: list[str] = []
+    resolved: list[Cell] = []
+    for cell in matrix.cells:
+        try:
+            counts.append(f"{cell.name}: {len(select_transforms(registry, cell))} transforms")
+            resolved.append(cell)
+        except ForgeError as exc:  # names the cell
+            problems.append(str(exc))
+    # A record is only compared with transforms that resolve.
+    problems += stale_records(replace(matrix, cells=tuple(resolved)), registry)
+    for line in problems:
         print(f"forge: error: {line}", file=sys.stderr)
-    if stale:
+    if problems:
         return 1
-    print(f"{matrix.path.name}: {len(matrix.cells)} cells OK ({counts})")
+    print(f"{matrix.path.name}: {len(matrix.cells)} cells OK ({', '.join(counts)})")
     return 0
 
 
@@ -367,7 +373,7 @@ def _verify_installed(name: str) -> None:
     print(f"  transforms: {applied}")
 
 
-def _upgrade_check(args: argparse.Namespace) -> None:
+def _upgrade_check(args: argparse.Namespace) -> int:
     from forge.fetch import resolve_index_url
     from forge.upgrade import run_upgrade_check
 
@@ -385,6 +391,9 @@ def _upgrade_check(args: argparse.Namespace) -> None:
     out = args.out or Path("reports") / "upgrade" / f"{report.engine}-{report.version}"
     print(f"{report.engine} {report.version}: {report.verdict}")
     print(f"report: {out / 'report.md'} (build: {report.build})")
+    status = report.outcome.exit_status
+    print(f"outcome: {report.outcome} (exit status {status})")
+    return status
 
 
 def _upgrade_scan(args: argparse.Namespace) -> None:
@@ -394,11 +403,13 @@ def _upgrade_scan(args: argparse.Namespace) -> None:
     matrix = load_matrix(args.matrix)
     lines = scan(matrix, resolve_index_url(matrix, args.index_url))
     if args.json:
-        print(json.dumps([{"engine": line.engine, "newest_cell": line.newest_cell,
-                           "newest_cell_version": line.newest_cell_version,
-                           "newer": list(line.newer)} for line in lines], indent=2))
+        print(json.dumps([line.to_json() for line in lines], indent=2))
         return
     for line in lines:
         newer = ", ".join(line.newer) or "none"
         print(f"{line.engine}: newer than {line.newest_cell} ({line.newest_cell_version}): "
               f"{newer}")
+        for version in line.unchecked:
+            print(f"  to check: {line.engine} {version}: {line.why[version]}")
+        for series, reason in line.skipped.items():
+            print(f"  skipped: series {series}: {reason}")

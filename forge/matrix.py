@@ -35,7 +35,7 @@ _ENGINE = re.compile(r"[a-z][a-z0-9_]*")
 _SERIES = re.compile(r"\d+(\.\d+)*")
 
 _TOP_FIELDS = {"schema", "index_url", "engine", "cell"}
-_ENGINE_FIELDS = {"series_parts"}
+_ENGINE_FIELDS = {"series_parts", "skipped"}
 #: Version parts of a series (the cell name's suffix) for an engine without an [engine.<name>]
 #: table: major.minor.
 DEFAULT_SERIES_PARTS = 2
@@ -176,6 +176,9 @@ class Matrix:
     #: Per engine, how many version parts its series (and so its cell names) have: from the
     #: matrix's [engine.<name>] tables, DEFAULT_SERIES_PARTS for an engine without one.
     series_parts: Mapping[str, int] = field(default_factory=dict)
+    #: Per engine, the series of its supported span that are deliberately no cell, each with
+    #: the reason ([engine.<name>] skipped): upgrade-scan does not list them.
+    skipped: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property
     def cell_names(self) -> tuple[str, ...]:
@@ -254,7 +257,7 @@ def parse_matrix(raw: Mapping[str, Any], path: Path) -> Matrix:
     if not index_url.startswith(("http://", "https://")):
         raise check.fail("top level",
                          f"field 'index_url' must be an http(s) URL, got {index_url!r}")
-    series_parts = _parse_engines(check, raw)
+    series_parts, skipped = _parse_engines(check, raw)
     tables = check.typed(raw, "cell", list, "top level")
     cells: list[Cell] = []
     seen: set[str] = set()
@@ -277,13 +280,16 @@ def parse_matrix(raw: Mapping[str, Any], path: Path) -> Matrix:
         cells.append(cell)
     _check_l1_tests_from(check, cells)
     return Matrix(path=path, schema=schema, index_url=index_url.rstrip("/"), cells=tuple(cells),
-                  series_parts=series_parts)
+                  series_parts=series_parts, skipped=skipped)
 
 
-def _parse_engines(check: _Checker, raw: Mapping[str, Any]) -> dict[str, int]:
-    """The [engine.<name>] tables: per engine, the number of version parts of its series."""
+def _parse_engines(check: _Checker, raw: Mapping[str, Any]
+                   ) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
+    """The [engine.<name>] tables: per engine, the number of version parts of its series, and
+    the series it skips with their reasons."""
     engines = check.typed(raw, "engine", dict, "top level", required=False) or {}
     parts: dict[str, int] = {}
+    skipped: dict[str, dict[str, str]] = {}
     for name, table in engines.items():
         where = f"engine {name}"
         if not _ENGINE.fullmatch(name):
@@ -295,7 +301,14 @@ def _parse_engines(check: _Checker, raw: Mapping[str, Any]) -> dict[str, int]:
         if not 1 <= count <= 3:
             raise check.fail(where, f"field 'series_parts' must be 1, 2 or 3, got {count}")
         parts[name] = count
-    return parts
+        reasons = check.typed(table, "skipped", dict, where, required=False) or {}
+        for series, reason in reasons.items():
+            if len(series.split(".")) != count or not isinstance(reason, str) or \
+                    not reason.strip():
+                raise check.fail(where, f"field 'skipped': {series!r} must be a series of "
+                                        f"{count} version parts with a reason")
+        skipped[name] = dict(reasons)
+    return parts, skipped
 
 
 def _check_l1_tests_from(check: _Checker, cells: list[Cell]) -> None:

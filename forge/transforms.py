@@ -119,7 +119,9 @@ def run_transforms(workspace: Workspace, transforms: Sequence[Transform], build:
 
 
 def _fail(build: BuildContext, transform: Transform, file: str, message: str) -> TransformError:
-    return TransformError(f"cell {build.cell}: transform {transform.id}: {file}: {message}")
+    seams = " + ".join(transform.seams)
+    return TransformError(f"cell {build.cell}: seam {seams}: transform {transform.id}: {file}: "
+                          f"{message}")
 
 
 def _commit_message(transform: Transform) -> str:

@@ -94,7 +94,8 @@ def test_transform_with_zero_hits(tmp_path: Path, capsys: pytest.CaptureFixture[
     with fakeeng_project(tmp_path) as project:
         args = project.args("build", CELL, registry="_fixtures:registry_zero_hits")
         message = fails_cleanly(args, capsys, project)
-    assert message == ("cell fakeeng-1.0: transform route-allocate: fakeeng/engine.py: "
+    assert message == ("cell fakeeng-1.0: seam pool-allocate: transform route-allocate: "
+                       "fakeeng/engine.py: "
                        "matches nothing (expected 2 hit(s)); "
                        "anchor looked for: fakeeng.pool.allocate")
 
@@ -104,7 +105,8 @@ def test_transform_with_too_many_hits(tmp_path: Path,
     with fakeeng_project(tmp_path) as project:
         args = project.args("build", CELL, registry="_fixtures:registry_too_many_hits")
         message = fails_cleanly(args, capsys, project)
-    assert message == ("cell fakeeng-1.0: transform route-allocate: fakeeng/pool.py: "
+    assert message == ("cell fakeeng-1.0: seam pool-allocate: transform route-allocate: "
+                       "fakeeng/pool.py: "
                        "matched 2 place(s), expected 1; "
                        "anchor looked for: fakeeng.pool.allocate")
 
@@ -117,7 +119,8 @@ def test_diff_that_needs_fuzz(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         write_patch(project.patches, "log-take", unified_diff("fakeeng/pool.py", old, new)
                     .replace("allocate(count)\n", "kvcached_hook.allocate(count)\n"))
         message = fails_cleanly(project.args("build", CELL), capsys, project)
-    assert message.startswith("cell fakeeng-1.0: transform log-take: fakeeng/pool.py:")
+    assert message.startswith(
+        "cell fakeeng-1.0: seam take-logging: transform log-take: fakeeng/pool.py:")
     assert "does not apply with zero fuzz" in message
 
 

@@ -319,7 +319,7 @@ def test_each_engine_names_its_cells_by_its_declared_series_parts(tmp_path: Path
     (ENGINES.replace("series_parts = 3", 'series_parts = "3"'), "",
      "matrix.toml: engine sglang: field 'series_parts' must be an integer, got '3'"),
     (ENGINES.replace("series_parts = 3", "parts = 3"), "",
-     "matrix.toml: engine sglang: unknown field 'parts' (allowed: series_parts)"),
+     "matrix.toml: engine sglang: unknown field 'parts' (allowed: series_parts, skipped)"),
 ])
 def test_a_series_with_other_than_the_declared_parts_is_one_line(
         tmp_path: Path, engines: str, cells: str, message: str) -> None:

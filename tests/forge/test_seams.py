@@ -62,6 +62,9 @@ def test_seam_table_names_the_seams_of_each_engine() -> None:
     # Model Runner V2 is opt-in before 0.22: its KV buffers are not a required seam there.
     assert registry.required_for("vllm", "0.9.2") == VLLM_SEAMS[:-1]
     assert registry.required_for("vllm", "0.21.0") == VLLM_SEAMS[:-1]
+    # 0.34 removed the V1 GPUModelRunner: Model Runner V2 is the only GPU runner.
+    assert registry.required_for("vllm", "0.34.0") == \
+        [s for s in VLLM_SEAMS if s != "kv-buffers-v1-runner"]
     assert registry.required_for("sglang", "0.5.23") == SGLANG_SEAMS
 
 
@@ -188,8 +191,8 @@ def test_a_release_older_than_every_transform_misses_its_seams(
 
 
 @pytest.mark.parametrize(("engine", "series", "version", "newest"), [
-    ("vllm", "0.40", "0.40.0", "<0.34"),
-    ("vllm", "0.34", "0.34.0", "<0.34"),
+    ("vllm", "0.40", "0.40.0", "<0.35"),
+    ("vllm", "0.35", "0.35.0", "<0.35"),
     ("sglang", "0.5", "0.5.24", "<0.5.24"),
     ("sglang", "0.6", "0.6.0", "<0.5.24"),
 ])
@@ -272,3 +275,18 @@ def test_transforms_lists_each_seam_of_a_real_cell(capsys: pytest.CaptureFixture
     ]
     assert "    description:   allocate_kv_cache: torch.zeros -> shared_kv_buffer\n" in out
     assert f"required seams, each covered once: {', '.join(VLLM_SEAMS)}\n" in out
+
+
+def test_check_matrix_reports_every_bad_cell_not_only_the_first(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = probe_matrix(tmp_path / "a.toml", "vllm", "0.40", "0.40.0").read_text()
+    second = probe_matrix(tmp_path / "b.toml", "sglang", "0.6", "0.6.0").read_text()
+    both = tmp_path / "matrix.toml"
+    both.write_text(first + second[second.index("[[cell]]"):], encoding="utf-8")
+    assert main(["check-matrix", "--matrix", str(both)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "forge: error: cell vllm-0.40: vllm version 0.40.0 is unknown (newest registered: <0.35)",
+        "forge: error: cell sglang-0.6: sglang version 0.6.0 is unknown (newest registered: "
+        "<0.5.24)",
+    ]

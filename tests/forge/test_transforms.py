@@ -87,7 +87,8 @@ def test_zero_hits_stops_the_build(workspace: Workspace, tmp_path: Path) -> None
     registry = make_registry(tmp_path, route_allocate(targets=("{package}/engine.py",)))
     with pytest.raises(TransformError) as caught:
         run_transforms(workspace, cell_set(registry), build_context(), flavour="fakeeng")
-    assert str(caught.value) == ("cell fakeeng-1.0: transform route-allocate: fakeeng/engine.py: "
+    assert str(caught.value) == ("cell fakeeng-1.0: seam pool-allocate: transform route-allocate: "
+                       "fakeeng/engine.py: "
                                  "matches nothing (expected 2 hit(s)); "
                                  "anchor looked for: fakeeng.pool.allocate")
 
@@ -96,7 +97,8 @@ def test_too_many_hits_stops_the_build(workspace: Workspace, tmp_path: Path) -> 
     registry = make_registry(tmp_path, route_allocate(expected_hits=1))
     with pytest.raises(TransformError) as caught:
         run_transforms(workspace, cell_set(registry), build_context(), flavour="fakeeng")
-    assert str(caught.value) == ("cell fakeeng-1.0: transform route-allocate: fakeeng/pool.py: "
+    assert str(caught.value) == ("cell fakeeng-1.0: seam pool-allocate: transform route-allocate: "
+                       "fakeeng/pool.py: "
                                  "matched 2 place(s), expected 1; "
                                  "anchor looked for: fakeeng.pool.allocate")
 
@@ -147,7 +149,7 @@ def test_diff_needing_fuzz_is_refused(workspace: Workspace, tmp_path: Path) -> N
     with pytest.raises(TransformError) as caught:
         run_transforms(workspace, diff, build_context(), flavour="fakeeng")
     assert str(caught.value).startswith(
-        "cell fakeeng-1.0: transform log-take: fakeeng/pool.py:")
+        "cell fakeeng-1.0: seam take-logging: transform log-take: fakeeng/pool.py:")
     assert "does not apply with zero fuzz" in str(caught.value)
     assert workspace.head_commit == head
     assert (workspace.root / "fakeeng/pool.py").read_text() == drifted

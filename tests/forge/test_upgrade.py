@@ -18,6 +18,7 @@ import sys
 import tarfile
 import threading
 import tomllib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,7 +211,7 @@ class FakeProofs:
 @pytest.fixture
 def fake_proofs(monkeypatch: pytest.MonkeyPatch) -> FakeProofs:
     fake = FakeProofs()
-    monkeypatch.setattr("forge.upgrade.run_proof_command", fake)
+    monkeypatch.setattr("forge.upgrade.trial.run_proof_command", fake)
     return fake
 
 
@@ -327,10 +328,12 @@ def test_write_cell_after_the_proofs_appends_the_measured_floor_once(
 def test_a_failing_proof_is_a_line_of_the_report_and_keeps_the_placeholder_floor(
         project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeProofs(fail="L1")
-    monkeypatch.setattr("forge.upgrade.run_proof_command", fake)
+    monkeypatch.setattr("forge.upgrade.trial.run_proof_command", fake)
     out = tmp_path / "r"
-    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 0
+    # A proposed cell whose proofs fail has its own exit status: the scheduled job goes red.
+    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 4
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert (report["outcome"], report["exit_status"]) == ("proof-failed", 4)
     assert report["l0_l1"] == (
         "L0 passed (12 passed, 1 skipped); L1 failed: tests/contract/test_vllm_core_contract.py"
         "::test_core_tests_pass_on_the_patched_tree[vllm-0.33]; see l0-l1.log")
@@ -339,9 +342,9 @@ def test_a_failing_proof_is_a_line_of_the_report_and_keeps_the_placeholder_floor
     assert entry_floor(out) == 533
     assert {"L0", "L1"} <= set(report["timings"])
 
-    monkeypatch.setattr("forge.upgrade.run_proof_command",
+    monkeypatch.setattr("forge.upgrade.trial.run_proof_command",
                         FakeProofs(fail="L1", counts_on_failure=True, patched=5, stock=6))
-    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 0
+    assert main(project.args("upgrade-check", "vllm", "0.33.0", "--out", str(out))) == 4
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert report["l0_l1"] == (
         "L0 passed (12 passed, 1 skipped); L1 failed: tests/contract/test_vllm_allocate_race.py"
@@ -365,9 +368,11 @@ def test_no_l1_runs_l0_only_and_says_so(project: Project, tmp_path: Path,
 def test_a_missing_anchor_is_a_row_and_no_cell_is_proposed(
         project: Project, tmp_path: Path) -> None:
     out = tmp_path / "report"
+    # A release that cannot be proposed has its own exit status: the scheduled job goes red.
     assert main(project.args("upgrade-check", "vllm", "latest", "--out", str(out),
-                             "--no-build")) == 0
+                             "--no-build")) == 3
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert (report["outcome"], report["exit_status"]) == ("not-proposable", 3)
     assert report["version"] == "0.34.0"  # latest final release; 0.35.0rc1 is not final
     assert report["sources"] == "wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl " \
                                 "(the release has no sdist)"
@@ -380,16 +385,96 @@ def test_a_missing_anchor_is_a_row_and_no_cell_is_proposed(
     assert report["verdict"] == \
         "seams without exactly one working variant: allocate-slots-race"
     assert not (out / "matrix-entry.toml").exists()
+    # The nearest cell's variant first, with exactly why it failed ...
+    assert rows["allocate-slots-race"]["note"].startswith(
+        "the nearest cell's vllm-allocate-slots-race: not found: ")
+    # ... and where its code went: allocate_slots is allocate_blocks in this release.
+    (guide,) = report["guides"]
+    assert (guide["seam"], guide["nearest_variant"]) == \
+        ("allocate-slots-race", "vllm-allocate-slots-race")
+    assert "def allocate_slots(self, request, n):" in guide["anchor_code"]
+    best = guide["candidates"][0]
+    assert best["function"] == "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_blocks"
+    assert best["path"] == "vllm/v1/core/kv_cache_manager.py"
+    assert best["text"] == "def allocate_blocks(self, request, n):"
+    assert guide["file_stats"] == ["vllm/v1/core/kv_cache_manager.py: +1 -1"]
+    summary = report["summary"]
+    assert summary.startswith("**vllm 0.34.0: not-proposable** (nearest cell vllm-0.32")
+    assert "`vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_blocks` at " \
+           "vllm/v1/core/kv_cache_manager.py:" in summary
+    assert summary in (out / "report.md").read_text(encoding="utf-8") or \
+        "## Where the failing seams' code went" in (out / "report.md").read_text(encoding="utf-8")
 
 
 def test_upgrade_scan_lists_final_releases_newer_than_the_newest_cell(
         project: Project, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(project.args("upgrade-scan")) == 0
-    assert capsys.readouterr().out == "vllm: newer than vllm-0.32 (0.32.0): 0.33.0, 0.34.0\n"
+    assert capsys.readouterr().out == (
+        "vllm: newer than vllm-0.32 (0.32.0): 0.33.0, 0.34.0\n"
+        "  to check: vllm 0.33.0: newer than the newest cell vllm-0.32\n"
+        "  to check: vllm 0.34.0: newer than the newest cell vllm-0.32\n")
     assert main(project.args("upgrade-scan", "--json")) == 0
     assert json.loads(capsys.readouterr().out) == [
         {"engine": "vllm", "newest_cell": "vllm-0.32", "newest_cell_version": "0.32.0",
-         "newer": ["0.33.0", "0.34.0"]}]
+         "newer": ["0.33.0", "0.34.0"], "unchecked": ["0.33.0", "0.34.0"],
+         "why": {"0.33.0": "newer than the newest cell vllm-0.32",
+                 "0.34.0": "newer than the newest cell vllm-0.32"},
+         "skipped": {}}]
+
+
+def test_upgrade_scan_checks_every_release_of_the_span_that_no_cell_or_skip_covers(
+        project: Project, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not only releases newer than the newest cell: a series inside the span without a cell,
+    and a newer release of a cell's series, need a check; a skipped series does not."""
+    text = project.matrix.read_text(encoding="utf-8")
+    cell = text[text.index("[[cell]]"):]
+    newest = cell.replace('series = "0.32"', 'series = "0.34"').replace(
+        'version = "0.32.0"', 'version = "0.34.0"').replace("vllm-0.32.0-", "vllm-0.34.0-")
+    older = cell.replace('series = "0.32"', 'series = "0.31"').replace(
+        'version = "0.32.0"', 'version = "0.31.0"').replace("vllm-0.32.0-", "vllm-0.31.0-")
+    matrix = tmp_path / "matrix.toml"
+    matrix.write_text(text[:text.index("[[cell]]")]
+                      + '[engine.vllm]\nseries_parts = 2\nskipped = { "0.33" = "no reason '
+                      'needed here but one is given" }\n\n' + older + "\n" + newest,
+                      encoding="utf-8")
+    args = project.args("upgrade-scan", "--json")
+    args[args.index("--matrix") + 1] = str(matrix)
+    assert main(args) == 0
+    (line,) = json.loads(capsys.readouterr().out)
+    # 0.32.0: its series has no cell and is not skipped; 0.33.0: skipped; 0.34.0: the cell.
+    assert line["unchecked"] == ["0.32.0"]
+    assert line["why"] == {"0.32.0": "series 0.32 is inside the span 0.31.0 - 0.34.0 and has "
+                                     "no cell"}
+    assert line["skipped"] == {"0.33": "no reason needed here but one is given"}
+    matrix.write_text(matrix.read_text(encoding="utf-8").replace('"0.33" = "no reason needed '
+                                                                 'here but one is given"',
+                                                                 '"0.33" = ""'),
+                      encoding="utf-8")
+    assert main(args) == 1
+    assert "field 'skipped': '0.33' must be a series of 2 version parts with a reason" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("posargs", "problem"), [
+    (["vllmm", "latest"], "unknown engine 'vllmm' (engines with cells: sglang, vllm)"),
+    (["vllm", "0.x"], "'0.x' is not a version: nox -s upgrade-check -- vllm 0.34.0 (or latest)"),
+    (["vllm"], "give the engine and the release first: nox -s upgrade-check -- vllm 0.34.0 (or "
+               "latest)"),
+    (["vllm", "latest", "--no-build"], None),
+])
+def test_the_upgrade_check_session_checks_its_arguments_before_installing(
+        posargs: list[str], problem: str | None) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("project_noxfile",
+                                                  Path(__file__).resolve().parents[2]
+                                                  / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    noxfile = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings():  # nox warns that the sessions are registered again
+        warnings.simplefilter("ignore", FutureWarning)
+        spec.loader.exec_module(noxfile)
+    assert noxfile.upgrade_check_args_problem(posargs) == problem
 
 
 def _free_port() -> int:
@@ -521,6 +606,7 @@ def test_a_release_that_is_already_a_cell_is_reported_but_not_proposed(
     out = tmp_path / "report"
     assert main(project.args("upgrade-check", "vllm", "0.32.0", "--out", str(out))) == 0
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert report["outcome"] == "already-a-cell"
     assert all(row["result"] == "same change" for row in report["seams"]
                if row["seam"] != "provenance")
     assert not report["cell_proposed"]
@@ -530,7 +616,7 @@ def test_a_release_that_is_already_a_cell_is_reported_but_not_proposed(
 
 
 def test_kvcached_use_check_accepts_every_fixture_and_catches_an_unused_import() -> None:
-    from forge.upgrade import _kvcached_use_check
+    from forge.upgrade.variants import _kvcached_use_check
 
     for folder in sorted(FIXTURES.iterdir()):
         after = (folder / "after.py").read_text(encoding="utf-8")
@@ -546,7 +632,7 @@ def test_wheel_choice_prefers_the_nearest_cells_tags_then_its_python_and_skips_o
     from packaging.version import Version
 
     from forge.fetch import IndexFile
-    from forge.upgrade import _pick_wheel
+    from forge.upgrade.release import _pick_wheel
 
     def files(*names: str) -> dict[str, IndexFile]:
         return {name: IndexFile(url=f"http://x/{name}", sha256="0" * 64) for name in names}
@@ -564,7 +650,8 @@ def test_wheel_choice_prefers_the_nearest_cells_tags_then_its_python_and_skips_o
 
 
 def test_two_working_variants_leave_the_seam_unresolved_naming_the_one_in_range() -> None:
-    from forge.upgrade import VariantResult, _choose
+    from forge.upgrade.check import _choose
+    from forge.upgrade.variants import VariantResult
 
     def variant(id_: str, result: str, in_range: bool) -> VariantResult:
         return VariantResult(id=id_, kind="codemod", seams=("kv-budget",), registered_range="",
@@ -586,7 +673,7 @@ def test_a_diff_variant_applies_with_zero_fuzz_or_is_reported_not_found(tmp_path
     from codemods.base import BuildContext
     from forge.patches import read_patch
     from forge.registry import diff_transform
-    from forge.upgrade import try_variant
+    from forge.upgrade.variants import try_variant
 
     patch = write_patch(tmp_path / "patches", "log-take",
                         unified_diff("fakeeng/pool.py", POOL_PY, TAKE_LOGGED))
@@ -613,7 +700,7 @@ def test_a_diff_variant_applies_with_zero_fuzz_or_is_reported_not_found(tmp_path
 
 def test_a_proof_command_appends_its_output_to_the_log_and_reports_its_summary(
         tmp_path: Path) -> None:
-    from forge.upgrade import run_proof_command
+    from forge.upgrade.trial import run_proof_command
 
     log = tmp_path / "l0-l1.log"
     log.write_text("earlier\n", encoding="utf-8")
@@ -632,7 +719,7 @@ def test_a_proof_command_appends_its_output_to_the_log_and_reports_its_summary(
 
 def test_a_release_is_named_by_its_engines_series_parts_whatever_cells_exist(
         tmp_path: Path) -> None:
-    from forge.upgrade import _series_for
+    from forge.upgrade.check import _series_for
 
     sglang_cell = MATRIX.replace('engine = "vllm"', 'engine = "sglang"').replace(
         'series = "0.32"\nversion = "0.32.0"', 'series = "0.5.23"\nversion = "0.5.23"')

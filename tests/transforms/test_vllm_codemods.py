@@ -32,6 +32,7 @@ from codemods.vllm.kv_buffers_attn_groups import (
     ModelRunnerV2BackendsKVBuffers,
     ModelRunnerV2GroupsKVBuffers,
 )
+from codemods.vllm.kv_buffers_shared_helper import SharedKVBufferFromCaller
 from forge.registry import default_registry
 
 BUILD = BuildContext(
@@ -147,6 +148,45 @@ def test_shared_buffer_passes_each_tensor_geometry() -> None:
     hits, code = assert_rewrites_fixture(SharedKVBuffer, "vllm-kv-buffers-shared")
     assert hits == 1  # a float32 buffer and another function's zeros are left alone
     assert_idempotent(SharedKVBuffer, code)
+
+
+def test_shared_buffer_helper_gets_the_regions_from_its_caller() -> None:
+    """vLLM 0.34: the zeros moved into a helper that sees no KVCacheTensor; its caller passes
+    their regions in, and the caller's own `allocate` hook stays as it was."""
+    hits, code = assert_rewrites_fixture(SharedKVBufferFromCaller,
+                                         "vllm-kv-buffers-shared-helper")
+    assert hits == 3  # the zeros site, the new keyword, the call that fills it
+    assert "buf = allocate(raw_size)" in code
+    compile(code, "utils.py", "exec")
+    assert_idempotent(SharedKVBufferFromCaller, code)
+
+
+def test_shared_buffer_helper_runs_as_stock_when_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    _, _, code = run(SharedKVBufferFromCaller, fixture("vllm-kv-buffers-shared-helper"))
+    namespace: dict[str, object] = {}
+    exec(compile(code, "utils.py", "exec"), namespace)
+
+    class Tensor:
+        size, layers, offset, layer_stride, block_stride = 96, ["a", "b"], 0, 48, 16
+
+    class Config:
+        kv_cache_tensors = [Tensor()]
+
+    caches = namespace["allocate_kv_cache"](Config(), torch.device("cpu"), None)  # type: ignore[operator]
+    assert caches["a"] is caches["b"]
+    assert caches["a"].dtype == torch.int8 and caches["a"].numel() == 96
+    assert not caches["a"].any()
+
+
+def test_shared_buffer_helper_needs_a_caller_holding_the_config() -> None:
+    """A caller that names its config otherwise gets no keyword it could not fill: the seam
+    counts fewer places than it declares and the build stops."""
+    source = fixture("vllm-kv-buffers-shared-helper").replace("kv_cache_config", "config")
+    hits, already, _ = run(SharedKVBufferFromCaller, source)
+    assert (hits, already) == (2, 0)
 
 
 def test_v1_runner_tensor_and_packed_buffers_pass_the_layouts() -> None:
