@@ -59,7 +59,8 @@ def tests(session: nox.Session) -> None:
     record check, and the heavy proofs of the newest supported cell of each engine."""
     session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
     _install_runtime(session)
-    session.run("python", "-m", "pytest", *session.posargs)
+    # The 20 slowest tests close every run, above the summary line: where CI time goes.
+    session.run("python", "-m", "pytest", "--durations=20", *session.posargs)
 
 
 def core_pythons() -> list[str]:

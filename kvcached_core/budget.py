@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from kvcached_core.errors import KVCachedConfigError, KVCachedError
 from kvcached_core.limits import shm_dir
+from kvcached_core.settings import validate_budget_name
 
 MAGIC = b"KVCBUDGT"
 FORMAT_VERSION = 1
@@ -31,7 +31,6 @@ _HEADER = struct.Struct("<8sIIQQ32x")
 # pid, start time (clock ticks after boot), charged bytes, attached backends
 _SLOT = struct.Struct("<qQQQ")
 FILE_SIZE = _HEADER.size + NUM_SLOTS * _SLOT.size
-_BUDGET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 
 class UnknownBudgetError(KVCachedConfigError, LookupError):
@@ -63,14 +62,6 @@ class BudgetState:
     @property
     def free_bytes(self) -> int:
         return max(0, self.capacity_bytes - self.charged_bytes)
-
-
-def validate_budget_name(name: str) -> str:
-    if not _BUDGET_NAME.match(name):
-        raise KVCachedConfigError(
-            f"invalid budget name {name!r}: use letters, digits, '_', '-', '.' (at most 128)"
-        )
-    return name
 
 
 def budget_path(name: str, directory: str | os.PathLike[str] | None = None) -> Path:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvcached_core.errors import KVCachedConfigError, KVCachedError
+from kvcached_core.settings import current_settings
 
 MAGIC = b"KVCLIMIT"
 FORMAT_VERSION = 1
@@ -57,9 +58,6 @@ def shm_dir(directory: str | os.PathLike[str] | None = None) -> Path:
     """Where records live: the argument, else `KVCACHED_SHM_DIR`, else `/dev/shm`."""
     if directory is not None:
         return Path(directory)
-    # Imported here: settings validates budget names, and the budget module imports this one.
-    from kvcached_core.settings import current_settings
-
     return Path(current_settings().shm_dir)
 
 

@@ -16,8 +16,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
-from kvcached_core.budget import validate_budget_name
 from kvcached_core.errors import KVCachedConfigError
+
+# A budget's name is part of its shared record's file name (kvcached_core/budget.py).
+_BUDGET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def validate_budget_name(name: str) -> str:
+    if not _BUDGET_NAME.match(name):
+        raise KVCachedConfigError(
+            f"invalid budget name {name!r}: use letters, digits, '_', '-', '.' (at most 128)"
+        )
+    return name
 
 MIB = 1 << 20
 

@@ -21,8 +21,8 @@ UPGRADE = workflows.WORKFLOWS_DIR / "upgrade.yml"
 NEW_CELL = """
 [[cell]]
 engine = "vllm"
-series = "0.34"
-version = "0.34.0"
+series = "0.35"
+version = "0.35.0"
 build = 1
 python = ">=3.11,<3.15"
 torch = "2.13.0"
@@ -30,7 +30,7 @@ status = "{status}"
 {reason}
 [[cell.artifact]]
 role = "wheel"
-filename = "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+filename = "vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 sha256 = "{sha}"
 """
 
@@ -77,8 +77,8 @@ def test_a_new_supported_cell_adds_its_job_and_makes_the_checked_in_file_stale(
     old_cells = cell_matrix(before[PULL_REQUEST])
     new_cells = cell_matrix(after[PULL_REQUEST])
     added = [entry for entry in new_cells if entry not in old_cells]
-    assert added == [{"cell": "vllm-0.34", "engine": "vllm", "version": "0.34.0",
-                      "build": "build-vllm-0.34", "test": "test-vllm-0.34"}]
+    assert added == [{"cell": "vllm-0.35", "engine": "vllm", "version": "0.35.0",
+                      "build": "build-vllm-0.35", "test": "test-vllm-0.35"}]
     assert [entry["cell"] for entry in new_cells] == sorted(entry["cell"] for entry in new_cells)
     assert after[UPGRADE] == before[UPGRADE]
 
