@@ -13,7 +13,10 @@ from codemods.declare import ANY_ENGINE, CodemodDeclaration, RequiredSeam
 from codemods.provenance import WriteProvenanceModule
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
+from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_token import ElasticTokenAllocator
+from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
+from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
 from codemods.sglang.allocators_free_group_flag import (
     ElasticPagedAllocatorFreeGroupFlag,
     ElasticTokenAllocatorFreeGroupFlag,
@@ -153,12 +156,19 @@ _SGLANG_INLINE_MLA = ">=0.4.10,<0.5.6"
 _SGLANG_TREE_RELEASE = ">=0.4.10,<0.5.6"
 # The allocators' API and the configurator's settings: 0.5.10 - 0.5.16 have the free-group
 # flag and backup_state / restore_state, and 0.5.16's configurator holds the ServerArgs; from
-# 0.5.20 `free_group is None`, free_segment / free_page_ids and get_exec(). 0.5.17 - 0.5.19
-# lie between the two (no cell): no variant covers their allocators or config guard, so the
-# registry refuses them. Both allocators live in mem_cache/allocator.py up to 0.5.12 (a package
-# from 0.5.13), and the paged alloc_extend takes the batch's new-page count from 0.5.12.
+# 0.5.20 `free_group is None`, free_segment / free_page_ids and get_exec(). 0.5.17 - 0.5.19 mix
+# the two: get_exec() and no backup_state from 0.5.17, the paged free_segment and
+# _release_page_ids (where every paged free path ends) from 0.5.17, the token allocator's
+# deferred frees copied from 0.5.18, `free_group is None` from 0.5.19, free_page_ids only from
+# 0.5.20. Both allocators live in mem_cache/allocator.py up to 0.5.12 (a package from 0.5.13),
+# and the paged alloc_extend takes the batch's new-page count from 0.5.12.
 _SGLANG_NEWER_API = ">=0.5.20,<0.5.24"
+_SGLANG_GET_EXEC = ">=0.5.17,<0.5.24"
+_SGLANG_TOKEN_FREE_GROUP_FLAG = ">=0.5.13,<0.5.18"
+_SGLANG_TOKEN_FLAG_COPIES = ">=0.5.18,<0.5.19"
+_SGLANG_TOKEN_FREE_GROUP_NONE = ">=0.5.19,<0.5.20"
 _SGLANG_FREE_GROUP_FLAG = ">=0.5.13,<0.5.17"
+_SGLANG_PAGED_RELEASE_PAGE_IDS = ">=0.5.17,<0.5.20"
 _SGLANG_ALLOCATOR_MODULE = ">=0.4.10,<0.5.13"
 _SGLANG_PAGED_COUNTS_ITS_PAGES = ">=0.5.3,<0.5.12"
 # Up to 0.5.2 the paged alloc_extend / alloc_decode take the batch's lengths on the device only.
@@ -195,6 +205,7 @@ _SGLANG_WINDOW_DATE = "2026-12-02"
 _SGLANG_0516_DATE = "2026-12-02"
 _SGLANG_0513_DATE = "2026-12-02"
 _SGLANG_0510_DATE = "2026-12-02"
+_SGLANG_0517_DATE = "2026-12-04"
 _SGLANG_055_DATE = "2026-12-02"
 
 CODEMODS += [
@@ -219,7 +230,7 @@ CODEMODS += [
         id="sglang-token-allocator-free-group-flag",
         seam="token-allocator",
         engine="sglang",
-        versions=_SGLANG_FREE_GROUP_FLAG,
+        versions=_SGLANG_TOKEN_FREE_GROUP_FLAG,
         anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator (clear resets "
                "is_not_in_free_group)",
         targets=("{package}/srt/mem_cache/allocator/token.py",),
@@ -233,6 +244,42 @@ CODEMODS += [
         codemod=ElasticTokenAllocatorFreeGroupFlag,
         forwarded="no",
         last_update=_SGLANG_0516_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-token-allocator-copies-deferred",
+        seam="token-allocator",
+        engine="sglang",
+        versions=_SGLANG_TOKEN_FLAG_COPIES,
+        anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator (clear resets "
+               "is_not_in_free_group; free defers self._copy_for_free_group(...))",
+        targets=("{package}/srt/mem_cache/allocator/token.py",),
+        expected_hits=1,
+        why="sglang-token-allocator-free-group-flag where a free inside a group keeps a copy "
+            "of its indices (0.5.18 groups the frees of a whole prefill result, and the caller "
+            "may reuse the freed row before the group ends): the elastic class copies a "
+            "deferred free before the flag mixin defers it, or the ledger would take back "
+            "the slots the row holds at the group's end.",
+        retire_when="The oldest SGLang cell has `free_group is None` (0.5.19).",
+        codemod=ElasticTokenAllocatorFreeGroupFlagCopies,
+        forwarded="no",
+        last_update=_SGLANG_0517_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-token-allocator-free-group-none",
+        seam="token-allocator",
+        engine="sglang",
+        versions=_SGLANG_TOKEN_FREE_GROUP_NONE,
+        anchor="sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator (clear sets "
+               "free_group = None; no free_page_ids)",
+        targets=("{package}/srt/mem_cache/allocator/token.py",),
+        expected_hits=1,
+        why="sglang-token-allocator where free_page_ids does not exist yet (0.5.19): the "
+            "same free group (`free_group is None`), the same copied deferred frees, the same "
+            "mixin.",
+        retire_when="The oldest SGLang cell has free_page_ids (0.5.20).",
+        codemod=ElasticTokenAllocatorFreeGroupNone,
+        forwarded="no",
+        last_update=_SGLANG_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-token-allocator-one-module",
@@ -285,6 +332,25 @@ CODEMODS += [
         codemod=ElasticPagedAllocatorFreeGroupFlag,
         forwarded="no",
         last_update=_SGLANG_0516_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-paged-allocator-release-page-ids",
+        seam="paged-allocator",
+        engine="sglang",
+        versions=_SGLANG_PAGED_RELEASE_PAGE_IDS,
+        anchor="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator (free, "
+               "free_segment and free_group_end end in _release_page_ids; no free_page_ids)",
+        targets=("{package}/srt/mem_cache/allocator/paged.py",),
+        expected_hits=1,
+        why="The same elastic pages as sglang-paged-allocator where free_page_ids does not "
+            "exist yet (0.5.17 - 0.5.19): every free path already ends in _release_page_ids, "
+            "so the same mixin returns freed pages to the ledger, while free, free_segment "
+            "and the group methods stay the release's own (its flag or `free_group is None`, "
+            "its copied deferred frees).",
+        retire_when="The oldest SGLang cell has free_page_ids (0.5.20).",
+        codemod=ElasticPagedAllocatorReleasePageIds,
+        forwarded="no",
+        last_update=_SGLANG_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-paged-allocator-counts-its-pages",
@@ -607,7 +673,7 @@ CODEMODS += [
         id="sglang-refuse-unsupported",
         seam="config-guard",
         engine="sglang",
-        versions=_SGLANG_NEWER_API,
+        versions=_SGLANG_GET_EXEC,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
         expected_hits=1,
@@ -631,7 +697,7 @@ CODEMODS += [
         why="The guard of sglang-refuse-unsupported where the configurator still holds the "
             "ServerArgs: 0.5.16 has no get_exec(), so the memory-saver flag is read from "
             "self.server_args.",
-        retire_when="The oldest SGLang cell reads its settings through get_exec() (0.5.20).",
+        retire_when="The oldest SGLang cell reads its settings through get_exec() (0.5.17).",
         codemod=RefuseUnsupportedAtConfigureServerArgs,
         forwarded="not-needed",
         last_update=_SGLANG_0516_DATE,

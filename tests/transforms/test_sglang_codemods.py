@@ -16,7 +16,10 @@ from codemods.base import BuildContext, HitCountingCodemod
 from codemods.catalog import CODEMODS
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
+from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_token import ElasticTokenAllocator
+from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
+from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
 from codemods.sglang.allocators_free_group_flag import (
     ElasticPagedAllocatorFreeGroupFlag,
     ElasticTokenAllocatorFreeGroupFlag,
@@ -49,7 +52,6 @@ from codemods.sglang.startup_memory_model_runner import (
     ElasticKVProfileMemoryModelRunner,
     ElasticPreModelLoadMemoryModelRunner,
 )
-from forge.errors import TransformError
 from forge.registry import default_registry
 
 BUILD = BuildContext(
@@ -93,6 +95,9 @@ TOKEN_0516 = fixture("sglang-token-allocator-free-group-flag")
 PAGED_0516 = fixture("sglang-paged-allocator-free-group-flag")
 GUARD_0516 = fixture("sglang-refuse-unsupported-server-args")
 INLINE_KV = fixture("sglang-mha-pool-inline-buffers")
+TOKEN_0518 = fixture("sglang-token-allocator-copies-deferred")
+TOKEN_0519 = fixture("sglang-token-allocator-free-group-none")
+PAGED_0518 = fixture("sglang-paged-allocator-release-page-ids")
 
 
 def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> None:
@@ -131,6 +136,19 @@ def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> N
      PAGED_0516 + "\n    def free_segment(self, free_index, *, start_pos): ...\n"),
     (ElasticTokenAllocatorFreeGroupFlag,
      TOKEN_0516 + "\n    def free_page_ids(self, page_ids): ...\n"),
+    # 0.5.17 - 0.5.19: the paged variant needs _release_page_ids and free_segment and refuses
+    # 0.5.20's free_page_ids; the token variants need their own free group and refuse the others'
+    (ElasticPagedAllocatorReleasePageIds, PAGED_0516),
+    (ElasticPagedAllocatorReleasePageIds, fixture("sglang-paged-allocator")),
+    (ElasticPagedAllocator, PAGED_0518),
+    (ElasticPagedAllocatorFreeGroupFlag, PAGED_0518),
+    (ElasticTokenAllocatorFreeGroupFlagCopies, TOKEN_0516),
+    (ElasticTokenAllocatorFreeGroupFlagCopies, TOKEN_0519),
+    (ElasticTokenAllocatorFreeGroupNone, TOKEN_0516),
+    (ElasticTokenAllocatorFreeGroupNone, TOKEN_0518),
+    (ElasticTokenAllocatorFreeGroupNone, TOKEN),
+    (ElasticTokenAllocator, TOKEN_0519),
+    (ElasticTokenAllocatorFreeGroupFlag, TOKEN_0519),
     # the ServerArgs guard needs the configurator's server_args and no get_exec() settings
     (RefuseUnsupportedAtConfigureServerArgs, fixture("sglang-refuse-unsupported")),
     (RefuseUnsupportedAtConfigureServerArgs,
@@ -234,6 +252,9 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (ElasticPagedAllocatorDeviceLengths, "sglang-paged-allocator-device-lengths"),
     (RefuseUnsupportedAtRunnerInitMemoryPoolBeforeMamba,
      "sglang-refuse-unsupported-runner-before-mamba"),
+    (ElasticPagedAllocatorReleasePageIds, "sglang-paged-allocator-release-page-ids"),
+    (ElasticTokenAllocatorFreeGroupFlagCopies, "sglang-token-allocator-copies-deferred"),
+    (ElasticTokenAllocatorFreeGroupNone, "sglang-token-allocator-free-group-none"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
                                             transform_id: str) -> None:
@@ -257,7 +278,13 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
             (ElasticPagedAllocatorCountsItsPages, "sglang-paged-allocator-counts-its-pages",
              "PagedTokenToKVPoolAllocator"),
             (ElasticPagedAllocatorDeviceLengths, "sglang-paged-allocator-device-lengths",
-             "PagedTokenToKVPoolAllocator")]:
+             "PagedTokenToKVPoolAllocator"),
+            (ElasticPagedAllocatorReleasePageIds, "sglang-paged-allocator-release-page-ids",
+             "PagedTokenToKVPoolAllocator"),
+            (ElasticTokenAllocatorFreeGroupFlagCopies, "sglang-token-allocator-copies-deferred",
+             "TokenToKVPoolAllocator"),
+            (ElasticTokenAllocatorFreeGroupNone, "sglang-token-allocator-free-group-none",
+             "TokenToKVPoolAllocator")]:
         body = fixture(transform_id).split(f"class {cls}", 1)[1].split("\nclass ", 1)[0]
         for name in codemod.REQUIRED_METHODS:
             assert f"def {name}(" in body, (transform_id, name)
@@ -289,6 +316,17 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
                    *configurator},
         "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    *newer_api, *configurator},
+        # 0.5.17 - 0.5.19 mix the two allocator APIs: 0.5.20's guard, a paged variant that
+        # ends in _release_page_ids, and the token allocator of their own free group
+        "0.5.19": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
+                   "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
+                   "sglang-token-allocator-free-group-none", *configurator},
+        "0.5.18": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
+                   "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
+                   "sglang-token-allocator-copies-deferred", *configurator},
+        "0.5.17": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
+                   "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
+                   "sglang-token-allocator-free-group-flag", *configurator},
         "0.5.16": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    "sglang-refuse-unsupported-server-args", *older_api, *configurator},
         "0.5.13": {"sglang-mha-pool-inline-buffers", *older_api, *model_runner},
@@ -321,11 +359,3 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
         assert not transform.applies_to("sglang", "0.4.9")
         assert not transform.applies_to("sglang", "0.5.24")
         assert not transform.applies_to("vllm", "0.5.23")
-    # 0.5.17 - 0.5.19 have neither allocator API (and no cell): nothing covers their
-    # allocators or config guard, so a cell of one is refused.
-    for version in ("0.5.17", "0.5.18", "0.5.19"):
-        assert not {t.id for t in sglang.values() if t.applies_to("sglang", version)} & (
-            newer_api | older_api), version
-        with pytest.raises(TransformError, match="token-allocator, paged-allocator, "
-                                                 "config-guard have no transform"):
-            default_registry().select(f"sglang-{version}", "sglang", version, version)
