@@ -52,6 +52,8 @@ class SeamGuide:
     anchor_code: list[str] = field(default_factory=list)   # lines it rewrote in the nearest cell
     candidates: list[Candidate] = field(default_factory=list)
     file_stats: list[str] = field(default_factory=list)    # the seam's files, nearest -> release
+    # The anchor's class, method by method from the nearest cell's release to this one.
+    class_changes: list[str] = field(default_factory=list)
 
     def to_markdown(self, engine: str, nearest: str, version: str) -> list[str]:
         lines = [f"### {self.seam}", "",
@@ -66,6 +68,9 @@ class SeamGuide:
                       f"{c.why}): `{c.text}`" for c in self.candidates]
         else:
             lines.append(f"- no function of {engine} {version} holds that code")
+        if self.class_changes:
+            lines.append(f"- the anchor's class from {nearest} to {version}:")
+            lines += [f"  - {change}" for change in self.class_changes]
         if self.file_stats:
             lines.append(f"- the seam's files from {nearest} to {version}: "
                          + "; ".join(self.file_stats))
@@ -106,7 +111,8 @@ def anchor_lines(diff: str, paths: Iterable[str]) -> list[str]:
                 beside.append(text)
                 after_added = False
             previous = text
-    return removed or [line for line in beside if "_kvcached" not in line]
+    kept = removed or [line for line in beside if "_kvcached" not in line]
+    return [line for line in kept if re.search(r"[A-Za-z_]", line)]
 
 
 def anchor_function(anchor: str) -> str:
@@ -237,6 +243,74 @@ def _score(node: ast.FunctionDef | ast.AsyncFunctionDef, source_lines: Sequence[
     return score, best_line, why
 
 
+# --- the anchor's class --------------------------------------------------------------------
+
+
+def anchor_class(anchor: str) -> tuple[str, ...]:
+    """The names an anchor's qualified head could give its class: its last part
+    (``pkg.mod.Class``) and the one before (``pkg.mod.Class.method``)."""
+    head = anchor.split(":", 1)[0].split("(", 1)[0].strip()
+    if " " in head or "." not in head:
+        return ()
+    parts = head.split(".")
+    return tuple(part for part in reversed(parts[-2:]) if part[:1].isupper())
+
+
+def _class_methods(path: Path, names: Sequence[str]
+                   ) -> tuple[str, int, dict[str, tuple[int, str]]] | None:
+    """(class name, line, {method: (line, source)}) of the first of ``names`` defined in
+    ``path``, or None."""
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for name in names:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                methods = {child.name: (child.lineno, ast.get_source_segment(text, child) or "")
+                           for child in node.body
+                           if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)}
+                return name, node.lineno, methods
+    return None
+
+
+def class_changes(names: Sequence[str], paths: Iterable[str], nearest: Path,
+                  release: Path) -> list[str]:
+    """Method by method, how the anchor's class changed: new, gone and changed methods (lines
+    added and removed), each with its line in the release."""
+    if not names:
+        return []
+    for relative in sorted(set(paths)):
+        old = _class_methods(nearest / relative, names)
+        new = _class_methods(release / relative, names)
+        if old is None or new is None:
+            continue
+        name, line, after = new
+        before = old[2]
+        found: list[str] = []
+        for method, (at, source) in after.items():
+            if method not in before:
+                found.append(f"new `{method}` at {relative}:{at}")
+                continue
+            if source == before[method][1]:
+                continue
+            added = removed = 0
+            for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+                    None, before[method][1].splitlines(), source.splitlines(),
+                    autojunk=False).get_opcodes():
+                removed += i2 - i1 if tag in ("replace", "delete") else 0
+                added += j2 - j1 if tag in ("replace", "insert") else 0
+            found.append(f"changed `{method}` (+{added} -{removed}) at {relative}:{at}")
+        found += [f"gone `{method}` (was at line {at})" for method, (at, _) in before.items()
+                  if method not in after]
+        return [f"`{name}` at {relative}:{line}", *found] if found else \
+            [f"`{name}` at {relative}:{line}: no method changed"]
+    return []
+
+
 # --- the seam's files --------------------------------------------------------------------------
 
 
@@ -278,4 +352,6 @@ def guide_seam(*, seam: str, nearest_variant: str, nearest_result: str, anchor: 
         seam=seam, nearest_variant=nearest_variant, nearest_result=nearest_result,
         anchor=anchor, anchor_code=code,
         candidates=find_candidates(release_sources, code, function, target_paths),
-        file_stats=file_stats(seam_paths, nearest_sources, release_sources, version))
+        file_stats=file_stats(seam_paths, nearest_sources, release_sources, version),
+        class_changes=class_changes(anchor_class(anchor), target_paths, nearest_sources,
+                                    release_sources))

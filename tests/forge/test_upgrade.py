@@ -398,6 +398,12 @@ def test_a_missing_anchor_is_a_row_and_no_cell_is_proposed(
     assert best["path"] == "vllm/v1/core/kv_cache_manager.py"
     assert best["text"] == "def allocate_blocks(self, request, n):"
     assert guide["file_stats"] == ["vllm/v1/core/kv_cache_manager.py: +1 -1"]
+    # The anchor's class, method by method: what was renamed is gone and new.
+    assert guide["class_changes"][0].startswith(
+        "`KVCacheManager` at vllm/v1/core/kv_cache_manager.py:")
+    assert any(line.startswith("new `allocate_blocks` at vllm/v1/core/kv_cache_manager.py:")
+               for line in guide["class_changes"])
+    assert any(line.startswith("gone `allocate_slots`") for line in guide["class_changes"])
     summary = report["summary"]
     assert summary.startswith("**vllm 0.34.0: not-proposable** (nearest cell vllm-0.32")
     assert "`vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_blocks` at " \
