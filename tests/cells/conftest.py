@@ -19,7 +19,7 @@ from forge.matrix import Cell, load_matrix
 from tests.proof_cells import heavy_cells, proof_matrix_path, proof_registry
 
 
-def _selected_cells(config: pytest.Config) -> list[Cell]:
+def selected_cells(config: pytest.Config) -> list[Cell]:
     matrix = load_matrix(proof_matrix_path())
     wanted = config.getoption("--cell")
     return [matrix.get_cell(name) for name in wanted] if wanted else list(matrix.cells)
@@ -27,7 +27,7 @@ def _selected_cells(config: pytest.Config) -> list[Cell]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "cell" in metafunc.fixturenames:
-        cells = _selected_cells(metafunc.config)
+        cells = selected_cells(metafunc.config)
         # A module whose proof takes seconds per cell runs for every selected cell.
         if not getattr(metafunc.module, "CHEAP_PROOF", False):
             cells = heavy_cells(metafunc.config, cells)

@@ -53,6 +53,38 @@ class PatchedSources:
         return self.cell.engine
 
 
+class SourcesInAdvance:
+    """L0 sources of every selected cell, prepared by a pool of processes while the checks of
+    the cells already done run: each cell is seconds to a minute of codemods on one core, and
+    a CI machine has more than one. `get` waits for its cell only. The workers are fresh
+    interpreters (spawn): forking a pytest process that may hold threads is not safe."""
+
+    def __init__(self, cells: list[Cell], where: Path, workers: int) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        self._futures = {cell.name: self._pool.submit(_patch_sources_remote, cell,
+                                                      where / f"sources-{cell.name}")
+                         for cell in cells}
+
+    def get(self, cell: Cell) -> PatchedSources:
+        found = self._futures[cell.name].result()
+        return PatchedSources(**found, registry=proof_registry())
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
+def _patch_sources_remote(cell: Cell, where: Path) -> dict[str, object]:
+    """patch_sources in a worker process: everything but the registry, which the caller has."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = patch_sources(cell, where)
+    return {name: getattr(done, name) for name in
+            ("cell", "origin", "transforms", "changed_by", "stock", "patched", "diff")}
+
+
 def patch_sources(cell: Cell, where: Path) -> PatchedSources:
     """Apply the cell's transform set to its pinned sources, unpacked under `where`."""
     registry = proof_registry()

@@ -7,16 +7,20 @@ from).
 
 from __future__ import annotations
 
+import os
 import py_compile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from forge.matrix import Cell
+from tests.cells.conftest import selected_cells
 
 from .sources import (
     PROVENANCE_MODULE,
     PatchedSources,
+    SourcesInAdvance,
     anchor_scope,
     calls_in_scope,
     core_calls,
@@ -30,8 +34,34 @@ from .sources import (
 CHEAP_PROOF = True
 
 
+# Processes that prepare the cells' sources ahead of their checks; one cell is done inline.
+ADVANCE_WORKERS = max(1, min(2, os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
-def sources(cell: Cell, tmp_path_factory: pytest.TempPathFactory) -> PatchedSources:
+def sources_in_advance(request: pytest.FixtureRequest,
+                       tmp_path_factory: pytest.TempPathFactory
+                       ) -> Iterator[SourcesInAdvance | None]:
+    # The cells of this module's collected tests (a -k or a node id narrows them).
+    wanted = {item.callspec.params["cell"].name for item in request.session.items
+              if item.module is not None and item.module.__name__ == __name__
+              and hasattr(item, "callspec") and "cell" in item.callspec.params}
+    cells = [cell for cell in selected_cells(request.config) if cell.name in wanted]
+    if len(cells) < 2 or ADVANCE_WORKERS < 2:
+        yield None
+        return
+    advance = SourcesInAdvance(cells, tmp_path_factory.mktemp("sources"), ADVANCE_WORKERS)
+    try:
+        yield advance
+    finally:
+        advance.close()
+
+
+@pytest.fixture(scope="session")
+def sources(cell: Cell, tmp_path_factory: pytest.TempPathFactory,
+            sources_in_advance: SourcesInAdvance | None) -> PatchedSources:
+    if sources_in_advance is not None:
+        return sources_in_advance.get(cell)
     return patch_sources(cell, tmp_path_factory.mktemp(f"sources-{cell.name}"))
 
 
