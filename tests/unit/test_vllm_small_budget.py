@@ -23,6 +23,7 @@ from tests.unit.vllm_kv_stand_ins import (
     blocks_first_shape,
     kv_first_shape,
     nhd,
+    set_elastic_env,
 )
 
 MIB = 1 << 20
@@ -41,13 +42,7 @@ def layer_spec() -> KVSpec:
 @pytest.fixture
 def elastic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
     name = f"small-budget-{os.getpid()}"
-    for key in [k for k in os.environ if k.startswith("KVCACHED_")]:
-        monkeypatch.delenv(key)
-    for key, value in {"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(PAGE),
-                       "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0",
-                       "KVCACHED_PREALLOC": "0", "KVCACHED_POOL_NAME": name,
-                       "KVCACHED_SHM_DIR": str(tmp_path)}.items():
-        monkeypatch.setenv(key, value)
+    set_elastic_env(monkeypatch, tmp_path, name, PAGE)
     yield name
     pools.close(name)
 

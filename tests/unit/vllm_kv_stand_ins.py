@@ -8,6 +8,7 @@ own classes. Only the fields the adapter reads are here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def blocks_first_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -68,3 +69,18 @@ class Tensor:
 class Config:
     kv_cache_tensors: list[Tensor]
     kv_cache_groups: list[Group] = field(default_factory=list)
+
+
+def set_elastic_env(monkeypatch: Any, shm_dir: Any, pool: str, page: int) -> None:
+    """The environment of an elastic vLLM adapter test: only these KVCACHED_ settings, no
+    reserve and no preallocation (a test sees exactly the pages its blocks need)."""
+    import os
+
+    for key in [k for k in os.environ if k.startswith("KVCACHED_")]:
+        monkeypatch.delenv(key)
+    for key, value in {"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(page),
+                       "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0",
+                       "KVCACHED_PREALLOC": "0", "KVCACHED_POOL_NAME": pool,
+                       "KVCACHED_SHM_DIR": str(shm_dir)}.items():
+        monkeypatch.setenv(key, value)
+

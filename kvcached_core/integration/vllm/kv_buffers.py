@@ -297,33 +297,72 @@ def _contiguous_layer_view(ftensor: Any, layer: int, num_layers: int, size: int,
                      strides=(num_layers * unit_bytes, 1), offset=layer * unit_bytes)
 
 
+def shared_geometry(size: int, regions: Sequence[tuple[int, int, int, int]]
+                    ) -> tuple[int, int, int]:
+    """(number of regions, region bytes, block bytes) of the shared buffer, in which block `b`
+    of every KV cache tensor lies at `[r * region + b * unit, + unit)` for some region `r`.
+    It holds for several tensors too (KV cache groups overlay the same bytes, a block id
+    belonging to one group at a time), which is what makes hybrid models elastic once their
+    families are declared; `shared_kv_buffer` passes one tensor until then.
+
+    Layer-outermost (`LB...`, layer stride > block stride): every tensor must have the same
+    layer stride (the region) and block stride (the unit), and start at a whole region: each
+    of its layers is then one region. Block-outermost (`BL...`): every tensor must have the
+    same block stride (the unit of the one region) and lie within a block. Anything else (KV
+    cache groups of different geometries, a tensor at an offset inside a region) is refused:
+    one pool could not back its blocks page by page.
+    """
+    found = [tuple(int(v) for v in region) for region in regions]
+    if not found:
+        raise KVCachedConfigError("the KV cache buffer has no KV cache tensor")
+    outer = {layer_stride > block_stride for _, _, layer_stride, block_stride in found}
+    strides = {(layer_stride, block_stride) for _, _, layer_stride, block_stride in found}
+    if len(outer) != 1 or (outer == {True} and len(strides) != 1) or \
+            len({block_stride for *_, block_stride in found}) != 1:
+        raise KVCachedConfigError(
+            f"the {len(found)} KV cache tensors of this model (its KV cache groups) do not "
+            f"share one block geometry (layer and block strides {sorted(strides)}): its KV "
+            "cache cannot be elastic in this release; set KVCACHED_ENABLE=0")
+    if outer == {True}:  # layer-outermost: a region per layer slot
+        (layer_stride, unit), = strides
+        count, region = size // layer_stride, layer_stride
+        misplaced = [offset for offset, layers, _, _ in found
+                     if offset % region or offset + layers * region > size]
+    else:  # block-outermost: every layer of a block is one contiguous range
+        unit = found[0][3]
+        count, region = 1, size
+        misplaced = [offset for offset, layers, layer_stride, _ in found
+                     if offset + layers * layer_stride > unit]
+    if misplaced:
+        raise KVCachedConfigError(
+            f"a KV cache tensor starts at offset {misplaced[0]}, inside a region of {region} "
+            "bytes: its KV cache cannot be elastic in this release; set KVCACHED_ENABLE=0")
+    if count * region != size or region % unit:
+        raise KVCachedConfigError(
+            f"KV cache of {size} bytes is not {count} region(s) of {region} bytes in blocks of "
+            f"{unit} bytes"
+        )
+    return count, region, unit
+
+
 def shared_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                      regions: Sequence[tuple[int, int, int, int]]) -> Any:
     """The single raw KV buffer of every layer (vLLM >= 0.29, `allocate_kv_cache`).
 
     `regions` lists each KVCacheTensor as (offset, number of layers, layer stride, block
-    stride) in bytes.
+    stride) in bytes: one per KV cache group (and per spec within a group). A model with
+    several groups (sliding-window or hybrid layers beside full attention) is refused here, at
+    the buffer, with one line: no model family beyond one full-attention group is declared
+    elastic yet, and an undeclared family never runs on a stock buffer.
     """
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
-    if len(regions) != 1:
-        # Several KV cache groups overlay one buffer (hybrid / sparse-MLA models): not elastic
-        # yet, so this buffer is vLLM's own.
-        logger.warning("kvcached: %d KV cache groups share the KV buffer; using a stock "
-                       "(non-elastic) buffer", len(regions))
-        return zeros(size, dtype=dtype, device=device)
-    offset, num_layers, layer_stride, block_stride = (int(v) for v in regions[0])
-    if offset != 0:
-        raise KVCachedConfigError(f"KV cache tensor starts at offset {offset}, expected 0")
-    if layer_stride > block_stride:  # layer-outermost: a region per layer
-        count, region, unit = num_layers, layer_stride, block_stride
-    else:  # block-outermost: every layer of a block is one contiguous range
-        count, region, unit = 1, int(size), block_stride
-    if count * region != int(size) or region % unit:
+    if len(regions) > 1:
         raise KVCachedConfigError(
-            f"KV cache of {size} bytes is not {count} region(s) of {region} bytes in blocks of "
-            f"{unit} bytes"
-        )
+            f"elastic KV cache serves models with one KV cache group; this model's KV cache "
+            f"has {len(regions)} tensors (KV cache groups of sliding-window, hybrid or other "
+            "layers beside full attention); set KVCACHED_ENABLE=0")
+    count, region, unit = shared_geometry(int(size), regions)
     engine_pool = _create_pool(device, num_tensors=1, regions=count, region_bytes=region,
                                unit_bytes=unit)
     return _flat(engine_pool.pool.tensors[0], int(size))
