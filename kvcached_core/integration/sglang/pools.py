@@ -216,6 +216,13 @@ class ElasticMHAInlineBuffersPoolMixin(ElasticMHASeparateKVPoolMixin):
                 f"V shape {v_shape} is not supported; elastic pools need the NHD layout with "
                 "equal K and V head dims"
             )
+        if "float4" in str(pool.dtype):
+            # 0.5.5.post3 allocates an FP4 cache inline (half-width K and V plus per-block
+            # scale buffers), which these views do not describe.
+            raise KVCachedConfigError(
+                "kvcached: the FP4 KV cache (--kv-cache-dtype fp4_e2m1) is not supported with "
+                "elastic pools; set KVCACHED_ENABLE=0 for it"
+            )
         self._kvcached_back_kv(k_shape)
         import torch
 

@@ -9,7 +9,10 @@ import torch
 from conftest import DIM, HEADS, LAYERS, make_mha_pool, make_mla_pool, make_token_allocator
 
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.integration.sglang.pools import RefuseInlineMLAPoolMixin
+from kvcached_core.integration.sglang.pools import (
+    ElasticMHAInlineBuffersPoolMixin,
+    RefuseInlineMLAPoolMixin,
+)
 
 
 def releases_own(elastic: type) -> type:
@@ -108,6 +111,13 @@ def test_unsupported_pool_configurations_are_refused() -> None:
             MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
                              head_dim=DIM, layer_num=LAYERS, device="cpu",
                              enable_memory_saver=False, post_capture_active=True)
+    if issubclass(MHATokenToKVPool, ElasticMHAInlineBuffersPoolMixin) and "k_scale_buffer" in (
+            inspect.getsource(releases_own(MHATokenToKVPool)._create_buffers)):
+        # 0.5.5.post3's pool allocates an FP4 cache inline
+        with pytest.raises(KVCachedConfigError, match="FP4"):
+            MHATokenToKVPool(size=64, page_size=1, dtype=torch.float4_e2m1fn_x2,
+                             head_num=HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
+                             enable_memory_saver=False)
     if "v_head_dim" in parameters:  # a V head dim of its own exists from 0.5.6
         with pytest.raises(KVCachedConfigError, match="equal K and V"):
             MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS,

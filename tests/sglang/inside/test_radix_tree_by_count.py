@@ -35,13 +35,15 @@ def key(tokens: list[int]) -> object:
 
 def finish(tree: object, allocator: object, requests: object, tokens: list[int]) -> None:
     """What the scheduler hands the tree when a request that prefilled ``tokens`` and generated
-    one token is done: that token has no KV yet, so the request holds a slot per prompt token."""
+    one token is done: that token has no KV yet, so the request holds a slot per prompt token
+    (what ``Req.pop_committed_kv_cache`` answers where the release asks it: 0.5.5.post3)."""
     (index,) = requests.alloc(1)
     slots = allocator.alloc(len(tokens))
     requests.write((index, slice(0, len(tokens))), slots)
     request = SimpleNamespace(origin_input_ids=tokens, output_ids=[9], req_pool_idx=index,
                               prefix_indices=[], last_node=tree.root_node, extra_key=None,
-                              last_matched_prefix_len=0)
+                              last_matched_prefix_len=0,
+                              pop_committed_kv_cache=lambda: len(tokens))
     tree.cache_finished_req(request)
 
 
