@@ -13,6 +13,7 @@ from codemods.declare import ANY_ENGINE, CodemodDeclaration, RequiredSeam
 from codemods.provenance import WriteProvenanceModule
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
+from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneModule
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
@@ -25,7 +26,10 @@ from codemods.sglang.allocators_one_module import ElasticPagedAllocatorCountsIts
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.capacity_model_runner import KVBudgetCapacityModelRunner
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
+from codemods.sglang.config_guard_mixin_envs_local import RefuseUnsupportedAtInitMemoryPoolEnvsLocal
 from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMemoryPool
+from codemods.sglang.config_guard_runner_gdn import RefuseUnsupportedAtRunnerInitMemoryPoolGdn
+from codemods.sglang.config_guard_runner_swa import RefuseUnsupportedAtRunnerInitMemoryPoolSwa
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
 from codemods.sglang.model_runner_sizing import (
     ElasticKVProfileMemoryRunner,
@@ -148,12 +152,17 @@ CODEMODS: list[CodemodDeclaration] = [
 # hold while this engine starts as memory they give back: if neighbours are in a burst at the
 # same time as this engine, the same out-of-memory path is taken until they shrink.
 
-_SGLANG_CELLS = ">=0.5.10,<0.5.24"
+# From 0.5.9 release_kv_cache (mem_cache/common.py) ends every release and the trees evict by
+# EvictParams; 0.5.6 - 0.5.8 return early from it and evict by token count.
+_SGLANG_CELLS = ">=0.5.9,<0.5.24"
+_SGLANG_MLA_CREATE_BUFFERS = ">=0.5.6,<0.5.24"
 # Up to 0.5.5 the MLA pool allocates its latent buffers in __init__ (refused when elastic) and
 # each radix tree releases a finished request in its own cache_finished_req (no
 # release_kv_cache in mem_cache/common.py).
 _SGLANG_INLINE_MLA = ">=0.4.10,<0.5.6"
-_SGLANG_TREE_RELEASE = ">=0.4.10,<0.5.6"
+# 0.5.6 - 0.5.8 still free the request's row in RadixCache.cache_finished_req and evict by token
+# count, and return early from release_kv_cache: the tree's own bound serves them.
+_SGLANG_TREE_RELEASE = ">=0.4.10,<0.5.9"
 # The allocators' API and the configurator's settings: 0.5.10 - 0.5.16 have the free-group
 # flag and backup_state / restore_state, and 0.5.16's configurator holds the ServerArgs; from
 # 0.5.20 `free_group is None`, free_segment / free_page_ids and get_exec(). 0.5.17 - 0.5.19 mix
@@ -171,6 +180,7 @@ _SGLANG_FREE_GROUP_FLAG = ">=0.5.13,<0.5.17"
 _SGLANG_PAGED_RELEASE_PAGE_IDS = ">=0.5.17,<0.5.20"
 _SGLANG_ALLOCATOR_MODULE = ">=0.4.10,<0.5.13"
 _SGLANG_PAGED_COUNTS_ITS_PAGES = ">=0.5.3,<0.5.12"
+_SGLANG_PAGED_ONE_MODULE = ">=0.5.12,<0.5.13"
 # Up to 0.5.2 the paged alloc_extend / alloc_decode take the batch's lengths on the device only.
 _SGLANG_PAGED_DEVICE_LENGTHS = ">=0.4.10,<0.5.3"
 # Who sizes the pools: KVCacheConfigurator (kv_cache_configurator.py) from 0.5.16, the model
@@ -178,17 +188,24 @@ _SGLANG_PAGED_DEVICE_LENGTHS = ">=0.4.10,<0.5.3"
 # reads and the config guard follow it. Up to 0.5.10 the mixin profiles a token count
 # (profile_max_num_token), from 0.5.11 a byte budget (_profile_available_bytes). Up to 0.5.6
 # ModelRunner itself sizes the pools (model_runner.py); its config guard names the Mamba pools
-# that came in 0.5.2 (the runner's mambaish_config) from 0.5.5, sliding-window hybrids alone
-# before.
+# that came in 0.5.2 (the runner's mambaish_config) from 0.5.3, sliding-window hybrids alone
+# before. The KV mixin of 0.5.7 - 0.5.9 imports no envs (its guard imports it itself); 0.5.6's
+# runner calls its sliding-window hybrids is_hybrid_swa.
 _SGLANG_CONFIGURATOR = ">=0.5.16,<0.5.24"
 _SGLANG_CONFIGURATOR_SERVER_ARGS = ">=0.5.16,<0.5.17"
 _SGLANG_MODEL_RUNNER = ">=0.5.10,<0.5.16"
 _SGLANG_RUNNER_SIZING = ">=0.4.10,<0.5.7"
-_SGLANG_RUNNER_GUARD = ">=0.5.5,<0.5.7"
+# 0.5.2 names its linear-attention (GDN) hybrids with the runner's is_hybrid_gdn (no
+# mambaish_config before 0.5.3).
+_SGLANG_RUNNER_GUARD = ">=0.5.3,<0.5.6"
+# 0.5.6's runner calls them is_hybrid_swa and the custom memory pool setting is envs' string.
+_SGLANG_RUNNER_GUARD_SWA = ">=0.5.6,<0.5.7"
+_SGLANG_RUNNER_GUARD_GDN = ">=0.5.2,<0.5.3"
 _SGLANG_RUNNER_GUARD_BEFORE_MAMBA = ">=0.4.10,<0.5.2"
 _SGLANG_RUNNER_PRE_LOAD = ">=0.4.10,<0.5.16"
 _SGLANG_MODEL_RUNNER_KV = ">=0.5.11,<0.5.16"
-_SGLANG_PROFILE_TOKENS = ">=0.5.10,<0.5.11"
+_SGLANG_PROFILE_TOKENS = ">=0.5.7,<0.5.11"
+_SGLANG_MIXIN_GUARD_ENVS_LOCAL = ">=0.5.7,<0.5.10"
 # K and V of a layer: one fused allocation from 0.5.23, apart before; 0.5.16 - 0.5.22 allocate
 # them in _create_buffers_normal, earlier releases inline in _create_buffers (each variant also
 # checks the release's source for its layout, codemods/sglang/_kv_layout.py).
@@ -353,6 +370,23 @@ CODEMODS += [
         last_update=_SGLANG_0517_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-paged-allocator-one-module",
+        seam="paged-allocator",
+        engine="sglang",
+        versions=_SGLANG_PAGED_ONE_MODULE,
+        anchor="sglang.srt.mem_cache.allocator.PagedTokenToKVPoolAllocator (clear resets "
+               "is_not_in_free_group; alloc_extend takes num_new_pages)",
+        targets=("{package}/srt/mem_cache/allocator.py",),
+        expected_hits=1,
+        why="sglang-paged-allocator-free-group-flag where the paged allocator still lives in "
+            "mem_cache/allocator.py (0.5.12: alloc_extend already takes num_new_pages, the "
+            "package came in 0.5.13): the same API, the same mixin.",
+        retire_when="The oldest SGLang cell has the mem_cache/allocator package (0.5.13).",
+        codemod=ElasticPagedAllocatorOneModule,
+        forwarded="no",
+        last_update=_SGLANG_0517_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-paged-allocator-counts-its-pages",
         seam="paged-allocator",
         engine="sglang",
@@ -447,7 +481,7 @@ CODEMODS += [
         id="sglang-mla-pool",
         seam="mla-pool",
         engine="sglang",
-        versions=_SGLANG_CELLS,
+        versions=_SGLANG_MLA_CREATE_BUFFERS,
         anchor="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool._create_buffers",
         targets=("{package}/srt/mem_cache/memory_pool.py",),
         expected_hits=1,
@@ -721,6 +755,23 @@ CODEMODS += [
         last_update=_SGLANG_0513_DATE,
     ),
     CodemodDeclaration(
+        id="sglang-refuse-unsupported-mixin-envs-local",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_MIXIN_GUARD_ENVS_LOCAL,
+        anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+               ".init_memory_pool (no envs, get_exec or get_bool_env_var imported)",
+        targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported-model-runner where the KV mixin's module "
+            "does not import envs (0.5.7 - 0.5.9): the guard imports it itself to read the "
+            "custom memory pool setting.",
+        retire_when="The oldest SGLang cell's KV mixin imports envs (0.5.10).",
+        codemod=RefuseUnsupportedAtInitMemoryPoolEnvsLocal,
+        forwarded="not-needed",
+        last_update=_SGLANG_0517_DATE,
+    ),
+    CodemodDeclaration(
         id="sglang-refuse-unsupported-runner",
         seam="config-guard",
         engine="sglang",
@@ -736,6 +787,44 @@ CODEMODS += [
         codemod=RefuseUnsupportedAtRunnerInitMemoryPool,
         forwarded="not-needed",
         last_update=_SGLANG_055_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-runner-swa",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_RUNNER_GUARD_SWA,
+        anchor="sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool "
+               "(get_bool_env_var imported, no envs; self.is_hybrid_swa and "
+               "self.mambaish_config)",
+        targets=("{package}/srt/model_executor/model_runner.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported-runner where the runner names its "
+            "sliding-window hybrids is_hybrid_swa and the custom memory pool setting is the "
+            "pool type in envs (0.5.6): the 0.5.5 guard would fail on self.is_hybrid and "
+            "read the setting as a boolean.",
+        retire_when="The oldest SGLang cell has ModelRunnerKVCacheMixin (0.5.7).",
+        codemod=RefuseUnsupportedAtRunnerInitMemoryPoolSwa,
+        forwarded="not-needed",
+        last_update=_SGLANG_0517_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-runner-gdn",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_RUNNER_GUARD_GDN,
+        anchor="sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool "
+               "(get_bool_env_var imported, no envs; self.is_hybrid_gdn, no "
+               "self.mambaish_config)",
+        targets=("{package}/srt/model_executor/model_runner.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported-runner where the runner names its "
+            "linear-attention (GDN, Qwen3-Next) hybrids with is_hybrid_gdn and has no "
+            "mambaish_config yet (0.5.2): both hybrids own their pools and are refused when "
+            "elastic.",
+        retire_when="The oldest SGLang cell has the runner's mambaish_config (0.5.3).",
+        codemod=RefuseUnsupportedAtRunnerInitMemoryPoolGdn,
+        forwarded="not-needed",
+        last_update=_SGLANG_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-refuse-unsupported-runner-before-mamba",

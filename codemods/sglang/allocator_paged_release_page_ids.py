@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import libcst as cst
 
+from codemods.sglang._append import AppendElasticSubclass
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 
 
-class ElasticPagedAllocatorReleasePageIds(ElasticPagedAllocator):
+class ElasticPagedAllocatorReleasePageIds(AppendElasticSubclass):
+    # 0.5.20's class, mixin and subclass (codemods/sglang/allocator_paged.py), for a class
+    # with fewer methods.
+
     DESCRIPTION = ("Subclass PagedTokenToKVPoolAllocator (free paths ending in "
                    "_release_page_ids, no free_page_ids) with the elastic ledger mixin and "
                    "rebind its name.")
+    ANCHOR, ELASTIC = ElasticPagedAllocator.ANCHOR, ElasticPagedAllocator.ELASTIC
+    MIXIN_MODULE, MIXIN = ElasticPagedAllocator.MIXIN_MODULE, ElasticPagedAllocator.MIXIN
+    DOC = ElasticPagedAllocator.DOC
     REQUIRED_METHODS = (
         "__init__", "clear", "alloc", "alloc_extend", "alloc_decode", "free", "free_segment",
         "_release_page_ids", "free_group_begin", "free_group_end",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
+from codemods.sglang._append import AppendElasticSubclass
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 
 _FREE_GROUP_NONE = m.Assign(
@@ -20,9 +21,15 @@ _FREE_GROUP_NONE = m.Assign(
 )
 
 
-class ElasticTokenAllocatorFreeGroupNone(ElasticTokenAllocator):
+class ElasticTokenAllocatorFreeGroupNone(AppendElasticSubclass):
+    # 0.5.20's class, mixin and subclass (codemods/sglang/allocator_token.py), for a class
+    # without free_page_ids.
+
     DESCRIPTION = ("Subclass TokenToKVPoolAllocator (free_group None, no free_page_ids) with "
                    "the elastic ledger mixin and rebind its name.")
+    ANCHOR, ELASTIC = ElasticTokenAllocator.ANCHOR, ElasticTokenAllocator.ELASTIC
+    MIXIN_MODULE, MIXIN = ElasticTokenAllocator.MIXIN_MODULE, ElasticTokenAllocator.MIXIN
+    DOC = ElasticTokenAllocator.DOC
     REQUIRED_METHODS = ("__init__", "clear", "available_size", "alloc", "free")
 
     def anchor_fits(self, node: cst.ClassDef) -> bool:

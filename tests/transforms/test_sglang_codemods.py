@@ -16,6 +16,7 @@ from codemods.base import BuildContext, HitCountingCodemod
 from codemods.catalog import CODEMODS
 from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
+from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneModule
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
@@ -28,7 +29,12 @@ from codemods.sglang.allocators_one_module import ElasticPagedAllocatorCountsIts
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.capacity_model_runner import KVBudgetCapacityModelRunner
 from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
+from codemods.sglang.config_guard_mixin_envs_local import (
+    RefuseUnsupportedAtInitMemoryPoolEnvsLocal,
+)
 from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMemoryPool
+from codemods.sglang.config_guard_runner_gdn import RefuseUnsupportedAtRunnerInitMemoryPoolGdn
+from codemods.sglang.config_guard_runner_swa import RefuseUnsupportedAtRunnerInitMemoryPoolSwa
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
 from codemods.sglang.model_runner_sizing import (
     ElasticKVProfileMemoryRunner,
@@ -149,6 +155,20 @@ def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> N
     (ElasticTokenAllocatorFreeGroupNone, TOKEN),
     (ElasticTokenAllocator, TOKEN_0519),
     (ElasticTokenAllocatorFreeGroupFlag, TOKEN_0519),
+    # in mem_cache/allocator.py, alloc_extend with num_new_pages (0.5.12) and without it
+    # (0.5.3 - 0.5.11) refuse each other
+    (ElasticPagedAllocatorOneModule, fixture("sglang-paged-allocator-counts-its-pages")),
+    (ElasticPagedAllocatorCountsItsPages, fixture("sglang-paged-allocator-one-module")),
+    # the KV mixin's guard that imports envs itself (0.5.7 - 0.5.9) and the one that finds it
+    # imported (0.5.10 on) refuse each other's module
+    (RefuseUnsupportedAtInitMemoryPoolEnvsLocal, fixture("sglang-refuse-unsupported-model-runner")),
+    (RefuseUnsupportedAtInitMemoryPool, fixture("sglang-refuse-unsupported-mixin-envs-local")),
+    # 0.5.2's guard needs is_hybrid_gdn and no mambaish_config: 0.5.1 has neither, 0.5.3 both
+    (RefuseUnsupportedAtRunnerInitMemoryPoolGdn,
+     fixture("sglang-refuse-unsupported-runner-before-mamba")),
+    (RefuseUnsupportedAtRunnerInitMemoryPoolGdn, fixture("sglang-refuse-unsupported-runner")),
+    # 0.5.6's guard needs the runner's is_hybrid_swa (is_hybrid up to 0.5.5)
+    (RefuseUnsupportedAtRunnerInitMemoryPoolSwa, fixture("sglang-refuse-unsupported-runner")),
     # the ServerArgs guard needs the configurator's server_args and no get_exec() settings
     (RefuseUnsupportedAtConfigureServerArgs, fixture("sglang-refuse-unsupported")),
     (RefuseUnsupportedAtConfigureServerArgs,
@@ -255,6 +275,10 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (ElasticPagedAllocatorReleasePageIds, "sglang-paged-allocator-release-page-ids"),
     (ElasticTokenAllocatorFreeGroupFlagCopies, "sglang-token-allocator-copies-deferred"),
     (ElasticTokenAllocatorFreeGroupNone, "sglang-token-allocator-free-group-none"),
+    (ElasticPagedAllocatorOneModule, "sglang-paged-allocator-one-module"),
+    (RefuseUnsupportedAtInitMemoryPoolEnvsLocal, "sglang-refuse-unsupported-mixin-envs-local"),
+    (RefuseUnsupportedAtRunnerInitMemoryPoolGdn, "sglang-refuse-unsupported-runner-gdn"),
+    (RefuseUnsupportedAtRunnerInitMemoryPoolSwa, "sglang-refuse-unsupported-runner-swa"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
                                             transform_id: str) -> None:
@@ -330,12 +354,34 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
         "0.5.16": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    "sglang-refuse-unsupported-server-args", *older_api, *configurator},
         "0.5.13": {"sglang-mha-pool-inline-buffers", *older_api, *model_runner},
+        "0.5.12.post1": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
+                         "sglang-paged-allocator-one-module", *model_runner},
+        "0.5.11": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
+                   "sglang-paged-allocator-counts-its-pages", *model_runner},
         "0.5.10": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
                    "sglang-paged-allocator-counts-its-pages", "sglang-kv-budget-tokens",
                    "sglang-kv-profile-free-memory-tokens",
                    "sglang-refuse-unsupported-model-runner",
                    "sglang-startup-free-memory-model-runner"},
+        # the KV mixin of 0.5.9 imports no envs: its guard imports it
+        "0.5.9": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
+                  "sglang-paged-allocator-counts-its-pages", "sglang-kv-budget-tokens",
+                  "sglang-kv-profile-free-memory-tokens",
+                  "sglang-refuse-unsupported-mixin-envs-local",
+                  "sglang-startup-free-memory-model-runner"},
     }
+    # 0.5.6 - 0.5.8: the MLA pool of 0.5.9 on, the tree's own bound of 0.5.5 and before;
+    # the runner sizes the pools in 0.5.6 (its guard with 0.5.7's settings), the KV mixin
+    # from 0.5.7
+    mid = {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
+           "sglang-paged-allocator-counts-its-pages", "sglang-mla-pool",
+           "sglang-startup-free-memory-model-runner", "sglang-prefix-cache-bound-radix-tree"}
+    variants["0.5.8.post1"] = variants["0.5.7"] = mid | {
+        "sglang-kv-budget-tokens", "sglang-kv-profile-free-memory-tokens",
+        "sglang-refuse-unsupported-mixin-envs-local"}
+    variants["0.5.6.post2"] = mid | {"sglang-kv-budget-runner",
+                                     "sglang-kv-profile-free-memory-runner",
+                                     "sglang-refuse-unsupported-runner-swa"}
     oldest = {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
               "sglang-paged-allocator-counts-its-pages", "sglang-mla-pool-refused-inline",
               "sglang-kv-budget-runner", "sglang-kv-profile-free-memory-runner",
@@ -345,15 +391,21 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
     before_mamba = oldest - {"sglang-paged-allocator-counts-its-pages",
                              "sglang-refuse-unsupported-runner"} | {
         "sglang-paged-allocator-device-lengths", "sglang-refuse-unsupported-runner-before-mamba"}
-    assert set(sglang) == (same_everywhere | oldest | before_mamba
+    # 0.5.2 has linear-attention (GDN) pools before the runner's mambaish_config
+    gdn = before_mamba - {"sglang-refuse-unsupported-runner-before-mamba"} | {
+        "sglang-refuse-unsupported-runner-gdn"}
+    assert set(sglang) == (same_everywhere | oldest | before_mamba | gdn
                            | set().union(*variants.values()))
 
     def applying(version: str) -> set[str]:
         return {t.id for t in sglang.values() if t.applies_to("sglang", version)}
 
     for version, chosen in variants.items():
-        assert applying(version) == same_everywhere | chosen, version
-    assert applying("0.5.5") == oldest
+        expected = chosen if version in ("0.5.8.post1", "0.5.7", "0.5.6.post2") else (
+            same_everywhere | chosen)
+        assert applying(version) == expected, version
+    assert applying("0.5.5") == applying("0.5.4.post3") == applying("0.5.3.post3") == oldest
+    assert applying("0.5.2") == gdn
     assert applying("0.5.1") == applying("0.4.10.post2") == before_mamba
     for transform in sglang.values():
         assert not transform.applies_to("sglang", "0.4.9")

@@ -1,7 +1,8 @@
-"""The kvcached bound inside RadixCache.cache_finished_req, for releases whose tree is built
-from positional arguments and evicts by token count (up to 0.5.5): a finished request handed to
-the release's own method leaves at most KVCACHED_MAX_CACHED_TOKENS evictable, and the pages
-of what it evicted are unmapped."""
+"""The kvcached bound inside RadixCache.cache_finished_req, for releases whose tree evicts by
+token count and frees the request's row itself (up to 0.5.8; built from positional arguments
+up to 0.5.5, from CacheInitParams from 0.5.6): a finished request handed to the release's own
+method leaves at most KVCACHED_MAX_CACHED_TOKENS evictable, and the pages of what it evicted
+are unmapped."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ def make_tree() -> tuple[object, object, object, object]:
     allocator = make_token_allocator(1023, pool)
     requests = ReqToTokenPool(size=4, max_context_len=512, device="cpu",
                               enable_memory_saver=False)
-    return pool, allocator, requests, RadixCache(requests, allocator, page_size=1)
+    try:
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    except ImportError:  # up to 0.5.5
+        return pool, allocator, requests, RadixCache(requests, allocator, page_size=1)
+    return pool, allocator, requests, RadixCache(CacheInitParams(
+        disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=allocator,
+        page_size=1))
 
 
 def key(tokens: list[int]) -> object:
@@ -33,6 +40,15 @@ def key(tokens: list[int]) -> object:
     return RadixKey(tokens)
 
 
+def lookup(tree_key: object) -> object:
+    """What match_prefix takes: MatchPrefixParams from 0.5.8, the key itself before."""
+    try:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    except ImportError:
+        return tree_key
+    return MatchPrefixParams(key=tree_key)
+
+
 def finish(tree: object, allocator: object, requests: object, tokens: list[int]) -> None:
     """What the scheduler hands the tree when a request that prefilled ``tokens`` and generated
     one token is done: that token has no KV yet, so the request holds a slot per prompt token
@@ -40,16 +56,17 @@ def finish(tree: object, allocator: object, requests: object, tokens: list[int])
     (index,) = requests.alloc(1)
     slots = allocator.alloc(len(tokens))
     requests.write((index, slice(0, len(tokens))), slots)
+    # From 0.5.6 the tree also reads the committed length, the keys and the protected prefix.
     request = SimpleNamespace(origin_input_ids=tokens, output_ids=[9], req_pool_idx=index,
                               prefix_indices=[], last_node=tree.root_node, extra_key=None,
-                              last_matched_prefix_len=0,
+                              last_matched_prefix_len=0, fill_ids=tokens, cache_protected_len=0,
                               pop_committed_kv_cache=lambda: len(tokens))
     tree.cache_finished_req(request)
 
 
 def test_a_finished_request_leaves_the_tree_within_the_bound() -> None:
     def matched(tokens: list[int]) -> int:
-        return len(tree.match_prefix(key(tokens)).device_indices)
+        return len(tree.match_prefix(lookup(key(tokens))).device_indices)
 
     pool, allocator, requests, tree = make_tree()
     first, second = list(range(1, LIMIT + 1)), list(range(1000, 1000 + LIMIT))
