@@ -69,7 +69,10 @@ def _choose(seam: str, variants: list[VariantResult], nearest_id: str | None = N
     same = [v for v in working if v.result == SAME_CHANGE]
     if len(working) == 1 or len(same) == 1:
         chosen = same[0] if same else working[0]
-        return SeamRow(seam, chosen.id, chosen.result, tried)
+        # The registry's range is a reviewed word on this release: a variant outside it is not
+        # chosen over one inside it, however much its change looks like the nearest cell's.
+        if chosen.in_range or not any(v.in_range for v in working):
+            return SeamRow(seam, chosen.id, chosen.result, tried)
     if working:
         in_range = [v.id for v in working if v.in_range]
         hint = f"; the registry's range for this release holds {in_range[0]}" \

@@ -4,6 +4,7 @@ cell, the files the transforms target."""
 from __future__ import annotations
 
 import email.parser
+import sys
 import tarfile
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
@@ -72,8 +73,10 @@ def _file_version(filename: str, distribution: str) -> Version | None:
 def _pick_wheel(files: Mapping[str, IndexFile], distribution: str, version: Version,
                 preferred: str | None) -> tuple[str, IndexFile] | None:
     """The Linux x86_64 (or pure) wheel of ``version``: the nearest cell's tags first, then its
-    Python tag, then abi3."""
-    candidates: list[tuple[tuple[int, int, int, str], str, IndexFile]] = []
+    Python tag, then the tag of the Python running the check (what the sessions run: a pure
+    nearest wheel names no CPython), then abi3."""
+    running = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    candidates: list[tuple[tuple[int, int, int, int, str], str, IndexFile]] = []
     preferred_tags = preferred.removesuffix(".whl").split("-", 2)[-1] if preferred else ""
     preferred_python = preferred_tags.split("-", 1)[0]
     for name, entry in files.items():
@@ -84,9 +87,9 @@ def _pick_wheel(files: Mapping[str, IndexFile], distribution: str, version: Vers
         platform = tags.rsplit("-", 1)[-1]
         if platform != "any" and not ("linux" in platform and "x86_64" in platform):
             continue
-        key = (0 if tags == preferred_tags else 1,
-               0 if tags.split("-", 1)[0] == preferred_python else 1,
-               0 if "abi3" in tags else 1, name)
+        python = tags.split("-", 1)[0]
+        key = (0 if tags == preferred_tags else 1, 0 if python == preferred_python else 1,
+               0 if python == running else 1, 0 if "abi3" in tags else 1, name)
         candidates.append((key, name, entry))
     if not candidates:
         return None

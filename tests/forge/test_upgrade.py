@@ -653,6 +653,14 @@ def test_wheel_choice_prefers_the_nearest_cells_tags_then_its_python_and_skips_o
     picked = _pick_wheel(files(arm, pure), "sglang", Version("0.6.0"), cell)
     assert picked is not None and picked[0] == pure
     assert _pick_wheel(files(arm), "sglang", Version("0.6.0"), cell) is None
+    # A pure nearest wheel names no CPython: the check's own Python decides (the sessions'),
+    # not the lowest tag the release ships.
+    running = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    builds = [f"sglang-0.6.0-cp{minor}-cp{minor}-manylinux_2_34_x86_64.whl"
+              for minor in ("310", running.removeprefix("cp"), "313")]
+    picked = _pick_wheel(files(*builds), "sglang", Version("0.6.0"),
+                         "sglang-0.5.10-py3-none-any.whl")
+    assert picked is not None and picked[0] == builds[1]
 
 
 def test_two_working_variants_leave_the_seam_unresolved_naming_the_one_in_range() -> None:
@@ -669,6 +677,10 @@ def test_two_working_variants_leave_the_seam_unresolved_naming_the_one_in_range(
     assert row.note == "2 variants work: old, new; the registry's range for this release holds new"
     row = _choose("kv-budget", [old, variant("new", "same change", True)])
     assert (row.chosen, row.result) == ("new", "same change")
+    # The same change outside the registry's range does not win over a variant inside it.
+    row = _choose("kv-budget", [variant("old", "same change", False), new])
+    assert (row.chosen, row.result) == (None, "ambiguous")
+    assert row.note.endswith("; the registry's range for this release holds new")
     row = _choose("kv-budget", [variant("old", "partial", False)])
     assert (row.chosen, row.result, row.note) == (None, "no working variant", "best: old partial")
 
