@@ -20,12 +20,16 @@ class ScanLine:
     newest_cell: str
     newest_cell_version: str
     newer: tuple[str, ...]               # every final release newer than the newest cell
-    # One release per series that needs a check (the series' newest release), each with why:
-    # newer than the newest cell, inside the span with no cell, or a newer release of a cell's
+    # One release per series that needs a check (the series' newest release) -> why: newer
+    # than the newest cell, inside the span with no cell, or a newer release of a cell's
     # series. The skipped series are not in it.
-    unchecked: tuple[str, ...] = ()
     why: Mapping[str, str] = field(default_factory=dict)
     skipped: Mapping[str, str] = field(default_factory=dict)   # series -> reason
+
+    @property
+    def unchecked(self) -> tuple[str, ...]:
+        """The releases that need a check, oldest series first."""
+        return tuple(self.why)
 
     def to_json(self) -> dict[str, object]:
         return {"engine": self.engine, "newest_cell": self.newest_cell,
@@ -68,6 +72,6 @@ def scan(matrix: Matrix, index_url: str) -> list[ScanLine]:
             else:
                 why[str(latest)] = (f"series {series} is inside the span {oldest.version} - "
                                     f"{newest.version} and has no cell")
-        lines.append(ScanLine(engine, newest.name, newest.version, newer, tuple(why), why,
+        lines.append(ScanLine(engine, newest.name, newest.version, newer, why,
                               skipped))
     return lines
