@@ -102,6 +102,91 @@ def check_page_geometry(
     )
 
 
+# A ledger page of blocks that straddle page boundaries may leave at most this fraction of its
+# bytes unused (the straddling blocks are never handed out); `choose_block_tiling` takes the
+# smallest ledger page that keeps to it.
+MAX_STRADDLE_WASTE = 1 / 8
+
+
+@dataclass(frozen=True)
+class BlockTiling:
+    """Where an engine's blocks sit in ledger pages, whatever their size.
+
+    Block `b` is bytes `[b * unit_bytes, (b + 1) * unit_bytes)` of each region; ledger page `p`
+    is bytes `[p * ledger_bytes, (p + 1) * ledger_bytes)` (`ledger_bytes` a whole number of
+    allocator pages, mapped together). A page holds the blocks that lie wholly inside it. When
+    the unit divides the page (every dense model at a power-of-two block) that is exactly
+    `ledger_bytes // unit_bytes` blocks and every block has a page. Otherwise (MLA's 576-wide
+    latent: 36,864 bytes at 32 tokens) a block that crosses a page boundary belongs to no page
+    and is never handed out: at most one block per boundary, which `choose_block_tiling` keeps
+    below `MAX_STRADDLE_WASTE` of a page. Stock vLLM never sees the difference: it is offered
+    fewer free blocks, never a different layout.
+    """
+
+    unit_bytes: int
+    ledger_bytes: int
+
+    @property
+    def exact(self) -> bool:
+        """Every block lies in one page (no block straddles a boundary)."""
+        return self.ledger_bytes % self.unit_bytes == 0
+
+    @property
+    def min_blocks_per_page(self) -> int:
+        """Blocks every ledger page holds at least (what a newly mapped page surely adds)."""
+        whole, rest = divmod(self.ledger_bytes, self.unit_bytes)
+        return whole - (1 if rest else 0)
+
+    @property
+    def quantum_blocks(self) -> int:
+        """The fewest blocks whose bytes are whole ledger pages: a region of `n` blocks is
+        page-aligned (so page `p` of every region can be mapped at once) iff `n` is a
+        multiple of it."""
+        return self.ledger_bytes // math.gcd(self.unit_bytes, self.ledger_bytes)
+
+    def page_of(self, block: int) -> int | None:
+        """The ledger page holding block `block`, or None when it straddles two pages."""
+        start = block * self.unit_bytes
+        page = start // self.ledger_bytes
+        if (start + self.unit_bytes - 1) // self.ledger_bytes != page:
+            return None
+        return page
+
+    def blocks_of(self, page: int) -> range:
+        """The blocks lying wholly inside ledger page `page`, ascending."""
+        unit, ledger = self.unit_bytes, self.ledger_bytes
+        return range(-(-page * ledger // unit), (page + 1) * ledger // unit)
+
+    def pages_for(self, num_blocks: int) -> int:
+        """Ledger pages spanned by blocks `[0, num_blocks)`."""
+        return -(-num_blocks * self.unit_bytes // self.ledger_bytes)
+
+
+def choose_block_tiling(unit_bytes: int, page_size: int) -> BlockTiling:
+    """The ledger page for blocks of `unit_bytes` on allocator pages of `page_size`.
+
+    A page when blocks tile it, the block when pages tile it; otherwise the smallest whole
+    number of pages whose straddling blocks waste at most `MAX_STRADDLE_WASTE` of it, which
+    at worst is the least common multiple (whole blocks, no waste): one 2 MiB page for MLA's
+    36,864-byte blocks (56 or 55 blocks a page), nine 16 KiB pages (four blocks) for the same
+    blocks on a host pool of 16 KiB pages.
+    """
+    if unit_bytes <= 0 or page_size <= 0:
+        raise KVCachedConfigError(
+            f"block bytes ({unit_bytes}) and page size ({page_size}) must be positive")
+    if page_size % unit_bytes == 0:
+        return BlockTiling(unit_bytes, page_size)
+    if unit_bytes % page_size == 0:
+        return BlockTiling(unit_bytes, unit_bytes)
+    most = unit_bytes // math.gcd(unit_bytes, page_size)  # pages in the common multiple
+    for pages in range(1, most + 1):
+        tiling = BlockTiling(unit_bytes, pages * page_size)
+        used = tiling.min_blocks_per_page * unit_bytes
+        if used > 0 and used >= (1 - MAX_STRADDLE_WASTE) * tiling.ledger_bytes:
+            return tiling
+    return BlockTiling(unit_bytes, most * page_size)  # not reached: the multiple has no waste
+
+
 def compound_page_bytes(page_size: int, num_layers: int, num_kv_buffers: int) -> int:
     """Bytes one logical page maps in the contiguous layout (all layers and buffers)."""
     return page_size * num_layers * num_kv_buffers

@@ -31,6 +31,7 @@ import test_prefix_caching as upstream
 
 from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import pool_name
+from kvcached_core.layout import BlockTiling
 from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 
 PAGE = 4096
@@ -47,7 +48,8 @@ pool = KVPool.create(pool_name(), PoolSpec(1, 1, PAGE, NUM_PAGES * PAGE, PAGE),
                                 physical_limit_bytes=NUM_PAGES * PAGE,
                                 defer_physical_release=True),
                      share_limits=False, export_metrics=False)
-pools.register(pools.EnginePool(pool_name(), pool, BLOCKS_PER_PAGE, NUM_BLOCKS))
+pools.register(pools.EnginePool(pool_name(), pool, BlockTiling(PAGE // BLOCKS_PER_PAGE, PAGE),
+                                NUM_BLOCKS))
 config = upstream.make_kv_cache_config(BLOCK_TOKENS, NUM_BLOCKS)
 manager = {manager}
 bp = manager.block_pool

@@ -21,6 +21,7 @@ import kvcached_core.integration.vllm as adapter
 from kvcached_core.errors import PoolExhausted
 from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import pool_name
+from kvcached_core.layout import BlockTiling
 from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from vllm.v1.core.block_pool import BlockPool
 
@@ -29,7 +30,7 @@ pool = KVPool.create(pool_name(), PoolSpec(1, 1, 4096, 8 * 4096, 4096),
                      PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
                                 physical_limit_bytes=3 * 4096, defer_physical_release=True),
                      share_limits=False, export_metrics=False)
-pools.register(pools.EnginePool(pool_name(), pool, 4, 32))
+pools.register(pools.EnginePool(pool_name(), pool, BlockTiling(1024, 4096), 32))
 bp = adapter.make_block_pool(BlockPool, 32, {args})
 assert type(bp).__name__ == "ElasticBlockPool" and isinstance(bp, BlockPool)
 assert bp.get_num_free_blocks() == 3 + 2 * 4, bp.get_num_free_blocks()
@@ -73,6 +74,7 @@ PARKING_SCRIPT = """
 import kvcached_core.integration.vllm as adapter
 from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import pool_name
+from kvcached_core.layout import BlockTiling
 from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core import kv_cache_utils
@@ -82,7 +84,7 @@ pool = KVPool.create(pool_name(), PoolSpec(1, 1, 4096, 64 * 4096, 4096),
                      PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
                                 defer_physical_release=True),
                      share_limits=False, export_metrics=False)
-pools.register(pools.EnginePool(pool_name(), pool, 4, 256))
+pools.register(pools.EnginePool(pool_name(), pool, BlockTiling(1024, 4096), 256))
 bp = adapter.make_block_pool(BlockPool, 256, {args})
 queue_type = type(bp.free_block_queue)
 passed = [0]

@@ -166,7 +166,7 @@ for which in RUNNERS:
     engine_pool = pools.lookup(pool_name())
     assert engine_pool is not None, which
     stock, ours = views(which, stock_raw), views(which, ours_raw)
-    k = engine_pool.blocks_per_page
+    k = engine_pool.tiling.min_blocks_per_page
     assert k == PAGE * planes // spec.page_size_bytes, (which, k)
     [page] = engine_pool.pool.alloc(1)
     for n in names:

@@ -90,8 +90,16 @@ def run_engine(python: Path, model: Path, result: Path, env: dict[str, str], *,
     `sample_memory=False` leaves out the thread that samples KV memory during the burst (it
     competes for the GIL, so timing runs go without it)."""
     flags = [] if sample_memory else ["--no-memory-sampling"]
-    done = subprocess.run([str(python), str(RUNNER), "generate", str(model), str(result),
-                           "--rounds", str(rounds), *flags],
+    return run_engine_script(python, RUNNER, ["generate", str(model)], result, env,
+                             extra_args=["--rounds", str(rounds), *flags], timeout_s=timeout_s)
+
+
+def run_engine_script(python: Path, script: Path, args: list[str], result: Path,
+                      env: dict[str, str], *, extra_args: list[str] | None = None,
+                      timeout_s: float = 300) -> dict[str, Any]:
+    """Run `script args result extra_args` with the engine venv's python in a fresh process;
+    its JSON result, or a failure with the tail of its output."""
+    done = subprocess.run([str(python), str(script), *args, str(result), *(extra_args or [])],
                           env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"engine run failed ({done.returncode}):\n{done.stdout[-3000:]}\n"

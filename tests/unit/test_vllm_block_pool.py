@@ -21,6 +21,7 @@ import pytest
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.integration.vllm import engine, make_block_pool, pools
 from kvcached_core.integration.vllm.config import pool_name
+from kvcached_core.layout import BlockTiling
 from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 
 PAGE = 4096
@@ -90,7 +91,8 @@ def _register_pool() -> KVPool:
                    defer_physical_release=True),
         share_limits=False, export_metrics=False,
     )
-    pools.register(pools.EnginePool(pool_name(), pool, BLOCKS_PER_PAGE, NUM_BLOCKS))
+    pools.register(pools.EnginePool(pool_name(), pool, BlockTiling(PAGE // BLOCKS_PER_PAGE, PAGE),
+                                    NUM_BLOCKS))
     return pool
 
 
@@ -108,6 +110,46 @@ def test_an_elastic_scheduler_without_vmm_backed_kv_buffers_refuses_to_start(
     block_pool: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
     assert block_pool._kv.private
     assert len(block_pool.get_new_blocks(3)) == 3
+
+
+# MLA-like blocks that do not tile a page: 5 KiB blocks on 12 KiB pages. Page p holds the
+# blocks wholly inside [12p, 12p + 12) KiB: page 0 blocks 0 and 1, block 2 (10-15 KiB)
+# straddles two pages, and so do blocks 4, 7 and 9; block 12 (60-65) starts page 5.
+STRADDLE_PAGE = 12 << 10
+STRADDLE_BLOCK = 5 << 10
+
+
+def test_blocks_that_straddle_two_pages_are_never_handed_out(engine_env: None) -> None:
+    """A block size stock vLLM accepts is never refused: where blocks do not tile pages, the
+    pool hands out only blocks lying wholly in a backed page, and reports as free exactly
+    what it could hand out."""
+    tiling = BlockTiling(STRADDLE_BLOCK, STRADDLE_PAGE)
+    pages = 6
+    num_blocks = pages * STRADDLE_PAGE // STRADDLE_BLOCK  # 14 blocks over 6 pages
+    pool = KVPool.create(
+        pool_name(), PoolSpec(1, 1, STRADDLE_PAGE, pages * STRADDLE_PAGE, 4096),
+        PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, prealloc=False,
+                   defer_physical_release=True),
+        share_limits=False, export_metrics=False,
+    )
+    pools.register(pools.EnginePool(pool_name(), pool, tiling, num_blocks))
+    straddling = {b for b in range(num_blocks) if tiling.page_of(b) is None}
+    assert straddling == {2, 4, 7, 9}
+    block_pool: Any = make_block_pool(StandInBlockPool, num_blocks)
+    usable = num_blocks - len(straddling)
+    assert block_pool.get_num_free_blocks() <= usable - 1  # less the null block
+    handed = block_pool.get_new_blocks(usable - 1)
+    ids = sorted(b.block_id for b in handed)
+    assert not set(ids) & straddling and 0 not in ids
+    assert ids == sorted(set(range(1, num_blocks)) - straddling)
+    assert block_pool.get_num_free_blocks() == 0
+    with pytest.raises((PoolExhausted, ValueError)):
+        block_pool.get_new_blocks(1)
+    # Every page is mapped while its blocks live, and all but the null block's page go back.
+    assert pool.snapshot().in_use_pages == pages
+    block_pool.free_blocks(handed)
+    block_pool.end_step(block_tokens=16, lag=0, is_drained=lambda: True)
+    assert pool.snapshot().in_use_pages == 1
 
 
 class StandInLIFOBlockPool(StandInBlockPool):

@@ -23,8 +23,9 @@ from kvcached_core.integration.vllm.kv_buffers import (
 )
 from tests.unit.vllm_kv_stand_ins import (
     Config,
+    FullAttentionSpec,
     Group,
-    KVSpec,
+    SlidingWindowSpec,
     Tensor,
     blocks_first_shape,
     cpu_shape,
@@ -43,8 +44,8 @@ NUM_BLOCKS = 16
 NUM_LAYERS = 3
 
 
-def layer_spec() -> KVSpec:
-    return KVSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
+def layer_spec() -> FullAttentionSpec:
+    return FullAttentionSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
 
 
 def layer_names(count: int = NUM_LAYERS) -> list[str]:
@@ -178,7 +179,7 @@ def test_block_bytes_match_a_stock_buffer_and_a_page_backs_its_blocks_in_every_l
     engine_pool = pools.lookup(elastic)
     # A page holds a page's worth of each plane: twice the blocks when K and V are planes.
     k = BLOCKS_PER_PAGE * planes
-    assert engine_pool is not None and engine_pool.blocks_per_page == k
+    assert engine_pool is not None and engine_pool.tiling.min_blocks_per_page == k
     assert [b.numel() for b in ours] == [t.size for t in config.kv_cache_tensors]
     region = config.kv_cache_tensors[0].size // planes
     tensors = engine_pool.pool.tensors
@@ -222,11 +223,11 @@ def test_packed_backing_is_one_buffer_whose_pages_hold_every_layer_of_a_block(
     engine_pool = pools.lookup(elastic)
     assert engine_pool is not None
     stride = config.kv_cache_tensors[0].block_stride
-    assert engine_pool.blocks_per_page == PAGE // stride == 2
+    assert engine_pool.tiling.min_blocks_per_page == PAGE // stride == 2
     [ftensor] = engine_pool.pool.tensors
     [page] = engine_pool.pool.alloc(1)
     assert sorted(ftensor.mapped_offsets()) == sorted({0, page * PAGE})
-    k = engine_pool.blocks_per_page
+    k = engine_pool.tiling.min_blocks_per_page
     for tensor in config.kv_cache_tensors:
         kv = view(ours[0], blocks_first_shape, nhd, tensor)
         stock_kv = view(stock, blocks_first_shape, nhd, tensor)
@@ -279,11 +280,33 @@ def test_a_layer_with_no_known_layout_is_refused(elastic: str) -> None:
         allocate(per_layer_config(), [(["another.layer"], blocks_first_shape, nhd)])
 
 
-def test_several_kv_cache_groups_without_packing_are_refused(elastic: str) -> None:
+def test_several_full_attention_groups_without_packing_are_refused(elastic: str) -> None:
     config = per_layer_config()
     config.kv_cache_groups.append(Group(layer_spec(), ["other"]))
     with pytest.raises(KVCachedConfigError, match="one KV cache group"):
         allocate(config, [(layer_names(), blocks_first_shape, nhd)])
+
+
+@pytest.mark.parametrize("block_stride", [0, 2 * BLOCK_BYTES], ids=["per-layer", "packed"])
+def test_a_family_the_site_does_not_serve_is_refused_by_name_before_any_pool(
+        elastic: str, block_stride: int) -> None:
+    """vLLM <= 0.28's sites serve one full-attention group: a sliding-window model is
+    refused in one line naming its family, packed backing included, and no pool is made."""
+    config = per_layer_config()
+    window = SlidingWindowSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
+    config.kv_cache_groups.append(Group(window, ["other"]))
+    tensor = config.kv_cache_tensors[0]
+    with pytest.raises(KVCachedConfigError) as caught:
+        kv_tensor_buffer(torch.zeros, tensor.size, dtype=torch.int8,
+                         device=torch.device("cpu"), kv_cache_config=config,
+                         kv_cache_tensor=tensor, block_stride=block_stride,
+                         kv_layouts=[(layer_names(), blocks_first_shape, nhd)])
+    message = str(caught.value)
+    assert message.startswith("elastic KV cache (kvcached) does not serve the sliding-window "
+                              "model family in this build (sliding-window: ")
+    assert message.endswith("set KVCACHED_ENABLE=0 for the stock KV cache")
+    assert "\n" not in message
+    assert pools.lookup(elastic) is None
 
 
 @pytest.mark.parametrize(("shape_of", "order_of"), [
@@ -305,7 +328,7 @@ def test_contiguous_layout_keeps_stock_block_bytes_and_maps_one_compound_page(
     assert sorted(ftensor.mapped_offsets()) == [0]  # the null block's page, every layer
     [page] = engine_pool.pool.alloc(1)
     assert sorted(ftensor.mapped_offsets()) == [0, page * compound]  # one mapping per page
-    k = engine_pool.blocks_per_page
+    k = engine_pool.tiling.min_blocks_per_page
     base = ours[0].data_ptr()  # layer 0 starts the compound tensor
     for layer, (raw, reference, tensor) in enumerate(
             zip(ours, stock, config.kv_cache_tensors, strict=True)):
@@ -342,7 +365,7 @@ def test_contiguous_layout_needs_blocks_first(elastic: str,
 
 
 @dataclass
-class PaddedSpec(KVSpec):
+class PaddedSpec(FullAttentionSpec):
     """A spec whose pages vLLM pads (it views them through as_strided)."""
 
     page_size_padded: int = BLOCK_BYTES + 4096
@@ -378,7 +401,7 @@ def test_auto_layout_takes_contiguous_for_blocks_first_buffers(
     # One mapping per logical page: the null block's page and the new one.
     assert sorted(ftensor.mapped_offsets()) == [0, page * PAGE * NUM_LAYERS]
     stock = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
-    k = engine_pool.blocks_per_page
+    k = engine_pool.tiling.min_blocks_per_page
     for layer, (raw, reference, tensor) in enumerate(
             zip(ours, stock, config.kv_cache_tensors, strict=True)):
         kv = view(raw, shape_of, order_of, tensor)

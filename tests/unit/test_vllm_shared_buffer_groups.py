@@ -3,8 +3,9 @@ several KV cache groups (sliding-window and full attention layers, padded hybrid
 
 vLLM gives each group its own KVCacheTensors over the same bytes (a block id belongs to one
 group at a time). `shared_geometry` finds the one page-affine layout of them all where there is
-one; until a family beyond one full-attention group is declared elastic, a model with several
-groups is refused at the buffer with one line, never given a stock buffer.
+one, and one pool backs every group's blocks; a layout that has none is refused at the buffer
+with one line, never given a stock buffer. MLA's blocks, which do not tile a page, are backed
+page by page too (the blocks straddling a page boundary are never handed out).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.vllm import pools, shared_kv_buffer
 from kvcached_core.integration.vllm.kv_buffers import shared_geometry
+from kvcached_core.layout import BlockTiling
 from tests.unit.vllm_kv_stand_ins import set_elastic_env
 
 PAGE = 32 << 10
@@ -69,7 +71,7 @@ def test_one_tensor_maps_a_page_in_every_layer_slot(elastic: str) -> None:
                            regions=[(0, 2, LAYER, BLOCK)])
     assert raw.numel() == size and raw.dtype == torch.int8
     engine_pool = pools.lookup(elastic)
-    assert engine_pool is not None and engine_pool.blocks_per_page == K
+    assert engine_pool is not None and engine_pool.tiling.min_blocks_per_page == K
     (ftensor,) = engine_pool.pool.tensors
     assert sorted(ftensor.mapped_offsets()) == [0, LAYER]  # the null block's page, each slot
     [page] = engine_pool.pool.alloc(1)
@@ -91,16 +93,77 @@ def test_one_tensor_maps_a_page_in_every_layer_slot(elastic: str) -> None:
     assert sorted(ftensor.mapped_offsets()) == [0, LAYER]
 
 
-def test_several_kv_cache_groups_are_refused_at_the_buffer_not_given_a_stock_one(
-        elastic: str) -> None:
-    with pytest.raises(KVCachedConfigError) as caught:
-        shared_kv_buffer(torch.zeros, 2 * LAYER, dtype=torch.int8,
-                         device=torch.device("cpu"), regions=HYBRID)
-    assert str(caught.value) == (
-        "elastic KV cache serves models with one KV cache group; this model's KV cache has 3 "
-        "tensors (KV cache groups of sliding-window, hybrid or other layers beside full "
-        "attention); set KVCACHED_ENABLE=0")
-    assert pools.lookup(elastic) is None
+def test_every_group_of_a_hybrid_model_is_backed_by_one_pool(elastic: str) -> None:
+    """Sliding-window and full-attention groups overlay one buffer: a page backs block `b`
+    of every group in every layer slot, with the bytes a stock buffer would hold."""
+    size = 2 * LAYER
+    raw = shared_kv_buffer(torch.zeros, size, dtype=torch.int8, device=torch.device("cpu"),
+                           regions=HYBRID)
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and engine_pool.tiling == BlockTiling(BLOCK, PAGE)
+    (ftensor,) = engine_pool.pool.tensors
+    [page] = engine_pool.pool.alloc(1)
+    stock = torch.zeros(size, dtype=torch.int8)
+    for group, (offset, layers, layer_stride, block_stride) in enumerate(HYBRID):
+        # Each group writes its own blocks of the page (a block id is one group's at a time).
+        for block in range(page * K + group, (page + 1) * K, len(HYBRID)):
+            for slot in range(layers):
+                start = offset + slot * layer_stride + block * block_stride
+                raw[start:start + block_stride] = group + 1
+                stock[start:start + block_stride] = group + 1
+    assert torch.equal(raw, stock)
+    assert sorted(ftensor.mapped_offsets()) == sorted(
+        slot * LAYER + p * PAGE for slot in range(2) for p in (0, page))
+
+
+# MLA on vLLM 0.32's CPU engine: one 576-wide bf16 latent of 32 tokens per block (36,864
+# bytes) in each of 2 layer slots; on 2 MiB pages 56 or 55 blocks lie wholly in a page.
+MLA_BLOCK = 576 * 2 * 32
+MLA_PAGE = 2 << 20
+MLA_BLOCKS = 512  # the fewest whose bytes are whole pages: 18 MiB per layer slot
+
+
+def test_mla_blocks_that_do_not_tile_a_page_are_backed_page_by_page(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    name = f"kvshared-mla-{os.getpid()}"
+    set_elastic_env(monkeypatch, tmp_path, name, MLA_PAGE)
+    layer = MLA_BLOCKS * MLA_BLOCK
+    try:
+        raw = shared_kv_buffer(torch.zeros, 2 * layer, dtype=torch.int8,
+                               device=torch.device("cpu"), regions=[(0, 2, layer, MLA_BLOCK)])
+        engine_pool = pools.lookup(name)
+        assert engine_pool is not None
+        tiling = engine_pool.tiling
+        assert tiling == BlockTiling(MLA_BLOCK, MLA_PAGE) and tiling.min_blocks_per_page == 55
+        assert tiling.page_of(56) is None  # bytes 2,064,384 - 2,101,248 cross the first page
+        [page] = engine_pool.pool.alloc(1)
+        blocks = tiling.blocks_of(page)
+        (ftensor,) = engine_pool.pool.tensors
+        assert sorted(ftensor.mapped_offsets()) == sorted(
+            slot * layer + p * MLA_PAGE for slot in range(2) for p in (0, page))
+        stock = torch.zeros(2 * layer, dtype=torch.int8)
+        for slot in range(2):
+            for block in blocks:  # every block of the page is readable and writable
+                start = slot * layer + block * MLA_BLOCK
+                raw[start:start + MLA_BLOCK] = slot + 1
+                stock[start:start + MLA_BLOCK] = slot + 1
+        assert torch.equal(raw, stock)
+    finally:
+        pools.close(name)
+
+
+def test_mla_regions_that_are_not_whole_pages_name_the_block_count_that_is(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A block count vLLM was not given by kvcached (num_gpu_blocks_override) is refused with
+    the multiple that works: the budget kvcached hands vLLM is always such a multiple."""
+    from kvcached_core.integration.vllm.engine import aligned_blocks_quantum
+
+    set_elastic_env(monkeypatch, tmp_path, f"kvshared-mla-{os.getpid()}", MLA_PAGE)
+    assert aligned_blocks_quantum([MLA_BLOCK] * 2, MLA_PAGE) % MLA_BLOCKS == 0
+    with pytest.raises(KVCachedConfigError, match="multiple of 512"):
+        shared_kv_buffer(torch.zeros, 2 * 113 * MLA_BLOCK, dtype=torch.int8,
+                         device=torch.device("cpu"),
+                         regions=[(0, 2, 113 * MLA_BLOCK, MLA_BLOCK)])
 
 
 def test_switched_off_the_hybrid_buffer_is_the_stock_allocation(

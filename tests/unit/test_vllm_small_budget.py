@@ -17,8 +17,8 @@ import torch
 from kvcached_core.integration.vllm import engine, kv_tensor_buffer, pools
 from tests.unit.vllm_kv_stand_ins import (
     Config,
+    FullAttentionSpec,
     Group,
-    KVSpec,
     Tensor,
     blocks_first_shape,
     kv_first_shape,
@@ -35,8 +35,8 @@ STOCK_BLOCKS = USER_BUDGET // (BLOCK_BYTES * LAYERS)  # what stock vLLM sizes: 6
 PAGE_OF_BLOCKS = 64 * MIB  # one 2 MiB page of half-blocks in each of 16 layers x 2 planes
 
 
-def layer_spec() -> KVSpec:
-    return KVSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
+def layer_spec() -> FullAttentionSpec:
+    return FullAttentionSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def worker_main(config: dict[str, Any]) -> int:
                                           region_bytes=REGION, unit_bytes=UNIT)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(json.dumps({"ready": True, "blocks_per_page": engine_pool.blocks_per_page,
+    print(json.dumps({"ready": True, "blocks_per_page": engine_pool.tiling.min_blocks_per_page,
                       "num_blocks": engine_pool.num_blocks,
                       "shares_limits": any(p.name.startswith("kvcached.")
                                            for p in Path(config["shm"]).iterdir())}),
@@ -257,7 +257,7 @@ def test_the_scheduler_pool_maps_through_two_worker_processes(
         engine_pool = workers.scheduler_pool(job.pool)
         assert engine_pool is not None and engine_pool.mapper is not None
         assert pools.lookup(job.pool) is engine_pool  # what the block pool looks up
-        assert (engine_pool.blocks_per_page, engine_pool.num_blocks) == (4, PAGES * 4)
+        assert (engine_pool.tiling.min_blocks_per_page, engine_pool.num_blocks) == (4, PAGES * 4)
         pool = engine_pool.pool
         assert pool.null_block_id == 0
         # The limit record is the scheduler's and counts every rank's memory.

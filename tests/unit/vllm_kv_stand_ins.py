@@ -42,8 +42,9 @@ def no_stride_order() -> tuple[int, ...]:
 
 
 @dataclass
-class KVSpec:
-    """An attention layer's KV cache spec: tokens per block, heads, head size, block bytes."""
+class FullAttentionSpec:
+    """An attention layer's KV cache spec: tokens per block, heads, head size, block bytes
+    (named as vLLM's: the adapter tells model families apart by spec class names)."""
 
     block_size: int
     num_kv_heads: int
@@ -52,8 +53,16 @@ class KVSpec:
 
 
 @dataclass
+class SlidingWindowSpec(FullAttentionSpec):
+    """A sliding-window layer's spec (vLLM's is a sibling of FullAttentionSpec; the class
+    name is what counts)."""
+
+    sliding_window: int = 64
+
+
+@dataclass
 class Group:
-    kv_cache_spec: KVSpec
+    kv_cache_spec: FullAttentionSpec
     layer_names: list[str]
 
 

@@ -2,7 +2,9 @@
 
 vLLM's own free queue keeps deciding which block is handed out and which cached block is
 evicted (so prefix caching behaves exactly as stock); kvcached decides which *pages* are
-physically backed. A ledger page holds `k` consecutive vLLM blocks. The pool:
+physically backed. A ledger page holds consecutive vLLM blocks (`k` of them when blocks tile
+pages; when they do not, as MLA's 36,864-byte blocks on 2 MiB pages, a block that straddles two
+pages belongs to neither and is never handed out: `layout.BlockTiling`). The pool:
 
 - hands out only blocks whose page is held, in vLLM's queue order, and asks kvcached for new
   pages only when the held pages have too few free blocks (`PoolExhausted` if it cannot map);
@@ -99,8 +101,13 @@ class ElasticBlockPoolMixin:
         # stale figure is safe: the allocation itself is authoritative (PoolExhausted).
         self._kv_available_size = engine_pool.pool.available_size
         self._kv_mappable_now: int | None = None
-        self._kv_k = engine_pool.blocks_per_page
-        num_pages = -(-self.num_gpu_blocks // self._kv_k)
+        tiling = engine_pool.tiling
+        self._kv_tiling = tiling
+        # Blocks a newly held page surely adds (all pages hold exactly this many when blocks
+        # tile pages; one fewer at some pages when blocks straddle page boundaries).
+        self._kv_k = tiling.min_blocks_per_page
+        num_pages = tiling.pages_for(self.num_gpu_blocks)
+        self._kv_num_pages = num_pages
         self._kv_held: set[int] = set()  # the pages whose blocks may be handed out
         # When each page last had a block freed (a tick per free_blocks call): trimming evicts
         # the least recently freed pages first without walking vLLM's free queue, which holds
@@ -108,10 +115,14 @@ class ElasticBlockPoolMixin:
         self._kv_page_freed_at = [0] * num_pages
         self._kv_free_tick = 0
         self._kv_unheld_blocks = self.num_gpu_blocks
+        # Blocks that straddle two pages: counted as unheld for ever, parked when met.
+        self._kv_unusable = self.num_gpu_blocks - sum(
+            self._page_blocks(page) for page in range(num_pages))
         # Free blocks of unbacked pages met at the head of vLLM's free queue are parked here,
         # out of the queue, until their page is backed: each is passed over once instead of
         # on every allocation (the queue holds every block of the virtual KV space).
-        self._kv_parked: dict[int, list[Any]] = {}
+        # (Key None: blocks that straddle two pages, parked for good.)
+        self._kv_parked: dict[int | None, list[Any]] = {}
         self._kv_parked_count = 0
         self._kv_dirty: set[int] = set()
         self._kv_logical_view = False
@@ -130,9 +141,13 @@ class ElasticBlockPoolMixin:
 
     # ------------------------------------------------------------------ accounting
 
+    def _page_range(self, page: int) -> range:
+        """The vLLM blocks of ledger page `page` (the last page may be cut by num_gpu_blocks)."""
+        blocks = self._kv_tiling.blocks_of(page)
+        return range(blocks.start, min(blocks.stop, self.num_gpu_blocks))
+
     def _page_blocks(self, page: int) -> int:
-        start = page * self._kv_k
-        return max(0, min(self._kv_k, self.num_gpu_blocks - start))
+        return len(self._page_range(page))
 
     def _hold_page(self, page: int) -> None:
         self._kv_held.add(page)
@@ -170,7 +185,11 @@ class ElasticBlockPoolMixin:
         mappable = self._kv_mappable_now
         if mappable is None:
             mappable = self._mappable_pages()
-        return free - unheld + min(unheld, mappable * self._kv_k)
+        usable = unheld - self._kv_unusable
+        if mappable < self._kv_num_pages - len(self._kv_held):
+            # Not every page can be mapped: count the fewest blocks a page surely adds.
+            usable = min(usable, mappable * self._kv_k)
+        return free - unheld + usable
 
     def _mappable_pages(self) -> int:
         mappable = self._kv_mappable_now
@@ -209,10 +228,10 @@ class ElasticBlockPoolMixin:
         self._map_pages_for(num_blocks - self._held_free_blocks())
         queue = self.free_block_queue
         chosen: list[Any] = []
-        held, k, parked = self._kv_held, self._kv_k, self._kv_parked
+        held, page_of, parked = self._kv_held, self._kv_tiling.page_of, self._kv_parked
         while len(chosen) < num_blocks:
             block = queue.popleft()
-            page = block.block_id // k
+            page = page_of(block.block_id)  # None: it straddles two pages, parked for ever
             if page in held:
                 chosen.append(block)
             else:
@@ -235,7 +254,9 @@ class ElasticBlockPoolMixin:
         """Hold enough new pages for `missing_blocks` more blocks; PoolExhausted changes nothing."""
         if missing_blocks <= 0:
             return
-        k = self._kv_k
+        # As many pages as the blocks need if each page holds the most blocks a page can
+        # (all hold that many when blocks tile pages); a short count is topped up below.
+        k = self._kv_tiling.ledger_bytes // self._kv_tiling.unit_bytes
         self._kv_mappable_now = None  # mapping (or failing to) changes what is left
         pages = self._kv.pool.alloc(-(-missing_blocks // k))
         self._kv_trim_exhausted = False  # the held pages changed: the next trim looks again
@@ -256,8 +277,10 @@ class ElasticBlockPoolMixin:
         # without a hash).
         blocks = list(ordered_blocks)
         super().free_blocks(blocks, *args, **kwargs)  # type: ignore[misc]
-        k = self._kv_k
-        pages = {block.block_id // k for block in blocks}
+        page_of = self._kv_tiling.page_of
+        # A straddling block (no page) is never handed out, so never freed; None is dropped
+        # all the same rather than trusted.
+        pages = {page for block in blocks if (page := page_of(block.block_id)) is not None}
         self._kv_dirty.update(pages)
         self._kv_free_tick += 1
         freed_at, tick = self._kv_page_freed_at, self._kv_free_tick
@@ -283,8 +306,8 @@ class ElasticBlockPoolMixin:
     # ------------------------------------------------------------------ release
 
     def _page_is_idle(self, page: int, *, cached_ok: bool) -> bool:
-        start = page * self._kv_k
-        for block in self.blocks[start:start + self._page_blocks(page)]:
+        blocks = self._page_range(page)
+        for block in self.blocks[blocks.start:blocks.stop]:
             if block.ref_cnt != 0 or (block.block_hash is not None and not cached_ok):
                 return False
         return True
@@ -316,7 +339,6 @@ class ElasticBlockPoolMixin:
 
     def _trim_cached_pages(self, cap_tokens: int, block_tokens: int) -> list[int]:
         """Evict whole pages of cached free blocks, least recently freed first, down to the cap."""
-        k = self._kv_k
         candidates = sorted(
             (p for p in self._kv_held if p != 0 and self._page_is_idle(p, cached_ok=True)),
             key=self._kv_page_freed_at.__getitem__,
@@ -325,8 +347,8 @@ class ElasticBlockPoolMixin:
         for page in candidates:
             if self._held_free_blocks() * block_tokens <= cap_tokens:
                 break
-            start = page * k
-            for block in self.blocks[start:start + self._page_blocks(page)]:
+            blocks = self._page_range(page)
+            for block in self.blocks[blocks.start:blocks.stop]:
                 if block.block_hash is not None:
                     self._maybe_evict_cached_block(block)  # type: ignore[attr-defined]
             self._drop_page(page)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import queue
 import weakref
 from collections.abc import Callable, Iterable
@@ -17,6 +18,7 @@ from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.integration.vllm import pools, workers
 from kvcached_core.integration.vllm.block_pool import ElasticBlockPoolMixin
 from kvcached_core.integration.vllm.config import engine_settings, pool_name, virtual_kv_bytes
+from kvcached_core.layout import choose_block_tiling
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger(__name__)
@@ -73,12 +75,27 @@ def kv_cache_budget(
     virtual = virtual_kv_bytes()
     if virtual is not None and not user_kv_bytes and user_num_blocks is None:
         available = [virtual for _ in available]
-    # A vLLM block is `size` (one plane) or `size // 2` (K/V planes) bytes of a layer region.
-    smallest_unit = min(sizes) // 2 or 1
-    blocks_per_page = max(1, settings.page_size // smallest_unit)
-    quantum = sum(sizes) * blocks_per_page
+    quantum = sum(sizes) * aligned_blocks_quantum(sizes, settings.page_size)
     user_set = bool(user_kv_bytes) and user_num_blocks is None
     return [whole_pages_budget(budget, quantum, user_set=user_set) for budget in available]
+
+
+def aligned_blocks_quantum(block_bytes_per_layer: Iterable[int], page_size: int) -> int:
+    """The fewest vLLM blocks whose bytes are whole kvcached pages in every layer region.
+
+    A vLLM block is `size` bytes of a layer region (one plane: blocks-first layouts, MLA's
+    latent, 0.29's layer-outermost buffer) or `size // 2` (K and V planes apart), whichever
+    the attention backend chose; a block count that is a multiple of this quantum makes every
+    region whole pages under either. For a block that does not tile a page (MLA: 36,864
+    bytes at 32 tokens) that is the blocks of a common multiple of block and page (512 blocks,
+    18 MiB, on 2 MiB pages), not one page's worth.
+    """
+    units = set()
+    for size in block_bytes_per_layer:
+        units.add(int(size))
+        if size % 2 == 0:
+            units.add(int(size) // 2)
+    return math.lcm(*(choose_block_tiling(unit, page_size).quantum_blocks for unit in units))
 
 
 def whole_pages_budget(budget: int, page_of_blocks: int, *, user_set: bool) -> int:

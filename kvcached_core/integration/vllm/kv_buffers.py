@@ -25,12 +25,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.integration.vllm import pools, workers
+from kvcached_core.integration.vllm import families, pools, workers
 from kvcached_core.integration.vllm.config import (
     engine_settings,
     pool_name,
     vllm_zero_page_writable,
 )
+from kvcached_core.layout import choose_block_tiling
 from kvcached_core.native import as_tensor
 from kvcached_core.pool import BackendKind, KVPool, PoolPolicy, PoolSpec
 
@@ -63,17 +64,13 @@ def _create_pool(device: Any, *, num_tensors: int, regions: int, region_bytes: i
     that page's blocks of every buffer (see `_contiguous_layer_view`)."""
     settings = engine_settings()
     page = settings.page_size
-    ledger_unit = max(page, unit_bytes)
-    if ledger_unit % unit_bytes or ledger_unit % page:
-        raise KVCachedConfigError(
-            f"a vLLM block of {unit_bytes} bytes per region does not tile KVCACHED_PAGE_SIZE "
-            f"({page} bytes); choose a page size that is a multiple or a divisor of it"
-        )
+    tiling = choose_block_tiling(unit_bytes, page)
+    ledger_unit = tiling.ledger_bytes
     if region_bytes % ledger_unit:
         raise KVCachedConfigError(
             f"the KV cache region of {region_bytes} bytes ({region_bytes // unit_bytes} blocks) "
             f"is not a whole number of {ledger_unit}-byte kvcached pages; set "
-            f"num_gpu_blocks_override to a multiple of {ledger_unit // unit_bytes}, or leave "
+            f"num_gpu_blocks_override to a multiple of {tiling.quantum_blocks}, or leave "
             "the sizing to kvcached (KVCACHED_VIRTUAL_SIZE)"
         )
     backend, index = _backend_of(device)
@@ -95,8 +92,7 @@ def _create_pool(device: Any, *, num_tensors: int, regions: int, region_bytes: i
         backend=backend,
         device=index,
     )
-    engine_pool = pools.EnginePool(name, pool, ledger_unit // unit_bytes,
-                                   region_bytes // unit_bytes)
+    engine_pool = pools.EnginePool(name, pool, tiling, region_bytes // unit_bytes)
     pools.register(engine_pool)
     return engine_pool
 
@@ -117,7 +113,7 @@ def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
     size = int(size)
-    spec = _single_group_spec(kv_cache_config, size)
+    spec = _single_group_spec(kv_cache_config, size, site="per_layer_kv_buffer")
     num_blocks = size // int(spec.page_size_bytes)
     shape = tuple(kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads,
                                  spec.head_size))
@@ -155,7 +151,7 @@ def planes_outside_blocks(kv_cache_shape: ShapeOf, kv_cache_stride_order: Stride
 
 def _whole_pages(region_bytes: int, unit_bytes: int) -> int:
     """`region_bytes` rounded up to whole ledger pages (what `_create_pool` needs)."""
-    ledger_unit = max(engine_settings().page_size, unit_bytes)
+    ledger_unit = choose_block_tiling(unit_bytes, engine_settings().page_size).ledger_bytes
     return -(-region_bytes // ledger_unit) * ledger_unit
 
 
@@ -192,6 +188,7 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
     size = int(size)
+    families.require_served("kv_tensor_buffer", families.families_of(kv_cache_config))
     if int(block_stride) > 0:
         # One backing for every layer of every group: block b is one contiguous range, so a
         # page backs the same block ids of every group (they share one block pool).
@@ -199,13 +196,15 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                                    region_bytes=_whole_pages(size, int(block_stride)),
                                    unit_bytes=int(block_stride))
         return _flat(engine_pool.pool.tensors[0], size)
-    spec = _single_group_spec(kv_cache_config, size)
+    spec = _single_group_spec(kv_cache_config, size, site="kv_tensor_buffer")
     regions = _regions_of_tensor(kv_cache_tensor, spec, kv_layouts)
     return _layer_buffer(device, kv_cache_config, kv_cache_tensor, spec, size, regions)
 
 
-def _single_group_spec(kv_cache_config: Any, size: int) -> Any:
-    """The KV cache spec of a model with one KV cache group whose layer buffers are alike."""
+def _single_group_spec(kv_cache_config: Any, size: int, *, site: str) -> Any:
+    """The KV cache spec of a model with one KV cache group whose layer buffers are alike;
+    a family `site` does not serve is refused first, by name."""
+    families.require_served(site, families.families_of(kv_cache_config))
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise KVCachedConfigError(
@@ -302,8 +301,7 @@ def shared_geometry(size: int, regions: Sequence[tuple[int, int, int, int]]
     """(number of regions, region bytes, block bytes) of the shared buffer, in which block `b`
     of every KV cache tensor lies at `[r * region + b * unit, + unit)` for some region `r`.
     It holds for several tensors too (KV cache groups overlay the same bytes, a block id
-    belonging to one group at a time), which is what makes hybrid models elastic once their
-    families are declared; `shared_kv_buffer` passes one tensor until then.
+    belonging to one group at a time), which is what makes hybrid models elastic.
 
     Layer-outermost (`LB...`, layer stride > block stride): every tensor must have the same
     layer stride (the region) and block stride (the unit), and start at a whole region: each
@@ -350,18 +348,13 @@ def shared_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     """The single raw KV buffer of every layer (vLLM >= 0.29, `allocate_kv_cache`).
 
     `regions` lists each KVCacheTensor as (offset, number of layers, layer stride, block
-    stride) in bytes: one per KV cache group (and per spec within a group). A model with
-    several groups (sliding-window or hybrid layers beside full attention) is refused here, at
-    the buffer, with one line: no model family beyond one full-attention group is declared
-    elastic yet, and an undeclared family never runs on a stock buffer.
+    stride) in bytes: one per KV cache group (and per spec within a group). Every model family
+    is served (`families.SITE_FAMILIES`): the groups of a sliding-window, MLA or Mamba hybrid
+    model overlay the same bytes, a block id belonging to one group at a time, so one pool
+    backs them all as long as they share one block geometry, which `shared_geometry` checks.
     """
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
-    if len(regions) > 1:
-        raise KVCachedConfigError(
-            f"elastic KV cache serves models with one KV cache group; this model's KV cache "
-            f"has {len(regions)} tensors (KV cache groups of sliding-window, hybrid or other "
-            "layers beside full attention); set KVCACHED_ENABLE=0")
     count, region, unit = shared_geometry(int(size), regions)
     engine_pool = _create_pool(device, num_tensors=1, regions=count, region_bytes=region,
                                unit_bytes=unit)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.layout import BlockTiling
 from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from kvcached_core.settings import KVCachedSettings
 
@@ -30,11 +31,12 @@ _PRIVATE_PAGE_BYTES = 4096
 
 @dataclass
 class EnginePool:
-    """A kvcached pool seen as vLLM blocks: ledger page `p` holds vLLM blocks [p*k, (p+1)*k)."""
+    """A kvcached pool seen as vLLM blocks: ledger page `p` holds vLLM blocks
+    `tiling.blocks_of(p)` (`[p*k, (p+1)*k)` when blocks tile pages)."""
 
     name: str
     pool: KVPool
-    blocks_per_page: int
+    tiling: BlockTiling
     num_blocks: int
     private: bool = False
     attached: bool = False
@@ -100,8 +102,8 @@ atexit.register(close_all)
 
 def private_pool(num_blocks: int, settings: KVCachedSettings) -> EnginePool:
     """A host pool for a scheduler-only process (`KVCACHED_SCHEDULER_ONLY=1`; never registered)."""
-    blocks_per_page = _PRIVATE_PAGE_BYTES // _PRIVATE_BLOCK_BYTES
-    pages = -(-num_blocks // blocks_per_page)
+    tiling = BlockTiling(_PRIVATE_BLOCK_BYTES, _PRIVATE_PAGE_BYTES)
+    pages = tiling.pages_for(num_blocks)
     pool = KVPool.create(
         "vllm-scheduler",
         PoolSpec(1, 1, _PRIVATE_PAGE_BYTES, pages * _PRIVATE_PAGE_BYTES, _PRIVATE_PAGE_BYTES),
@@ -110,4 +112,4 @@ def private_pool(num_blocks: int, settings: KVCachedSettings) -> EnginePool:
         share_limits=False,
         export_metrics=False,
     )
-    return EnginePool("vllm-scheduler", pool, blocks_per_page, num_blocks, private=True)
+    return EnginePool("vllm-scheduler", pool, tiling, num_blocks, private=True)

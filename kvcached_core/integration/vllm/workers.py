@@ -42,6 +42,7 @@ from kvcached_core.integration.vllm import pools
 from kvcached_core.integration.vllm.config import engine_settings, vllm_zero_page_writable
 from kvcached_core.ipc import BroadcastMapper, WorkerListener, default_socket_root, worker_address
 from kvcached_core.ipc.paths import ensure_private_dir, job_addresses
+from kvcached_core.layout import BlockTiling
 from kvcached_core.limits import pid_alive
 from kvcached_core.pool import BackendKind, KVPool, PoolPolicy, PoolSpec
 from kvcached_core.settings import current_settings
@@ -87,8 +88,12 @@ class RankGeometry:
     """How one rank's pages hold vLLM blocks; every rank of a job must agree."""
 
     page_bytes: int  # bytes of one page per layer and buffer (the ledger unit)
-    blocks_per_page: int
+    unit_bytes: int  # bytes of one vLLM block per region
     num_blocks: int
+
+    @property
+    def tiling(self) -> BlockTiling:
+        return BlockTiling(self.unit_bytes, self.page_bytes)
 
 
 def job_root(pool: str) -> Path:
@@ -226,7 +231,7 @@ def attach_job(job: JobDescription) -> pools.EnginePool:
     except BaseException:
         mapper.close()
         raise
-    if int(pool.num_blocks) * geometry.blocks_per_page < geometry.num_blocks:
+    if int(pool.num_blocks) < geometry.tiling.pages_for(geometry.num_blocks):
         pool.close()
         mapper.close()
         raise KVCachedConfigError(
@@ -238,7 +243,7 @@ def attach_job(job: JobDescription) -> pools.EnginePool:
         mapper.close()
         withdraw_job(job.pool)
 
-    return pools.EnginePool(job.pool, pool, geometry.blocks_per_page, geometry.num_blocks,
+    return pools.EnginePool(job.pool, pool, geometry.tiling, geometry.num_blocks,
                             mapper=mapper, detach=detach)
 
 
@@ -359,7 +364,7 @@ def served_pool(
     address = worker_address(job.root, rank, pp_rank)
     resident = pool.backend.committed_bytes if backend == "host" else None
     listener = WorkerListener(pool.ftensor_allocator, address, resident_bytes=resident)
-    geometry = RankGeometry(ledger_unit, ledger_unit // unit_bytes, region_bytes // unit_bytes)
+    geometry = RankGeometry(ledger_unit, unit_bytes, region_bytes // unit_bytes)
     try:
         listener.start()
         _write_private_json(_geometry_path(address.path), asdict(geometry))
@@ -374,7 +379,7 @@ def served_pool(
         if not listener.stop(STOP_TIMEOUT_S):
             logger.warning("kvcached: %s still answers a call; its socket stays", address.label)
 
-    engine_pool = pools.EnginePool(name, pool, geometry.blocks_per_page, geometry.num_blocks,
+    engine_pool = pools.EnginePool(name, pool, geometry.tiling, geometry.num_blocks,
                                    stop_serving=stop_serving)
     pools.register(engine_pool)
     # vLLM ends a worker through multiprocessing, which runs its finalizers but (for a forked
