@@ -167,3 +167,31 @@ def proof_of(cell: Cell) -> Proof:
         pytest.fail(f"{cell.name}: matrix.toml has no [cell.proof] table for this cell",
                     pytrace=False)
     return cell.proof
+
+
+def vllm_family_cells() -> tuple[list[str], dict[str, set[str]]]:
+    """The vLLM cells of the proof matrix, oldest first, and for each model family the cells
+    where it is elastic: those whose KV-buffer transforms all call a site that serves it
+    (`kvcached_core/integration/vllm/families.py`)."""
+    from codemods.vllm.kv_buffers import SharedKVBuffer
+    from kvcached_core.integration.vllm import families
+
+    def site(codemod: type) -> str | None:
+        found = getattr(codemod, "ADAPTER", None)
+        if found is None and issubclass(codemod, SharedKVBuffer):
+            found = "shared_kv_buffer"  # 0.29 - 0.33's transform names its adapter inline
+        return found
+
+    registry = proof_registry()
+    cells = sorted((c for c in load_matrix(proof_matrix_path()).cells if c.engine == "vllm"),
+                   key=lambda c: Version(c.version))
+    serving: dict[str, set[str]] = {f.name: set() for f in families.FAMILIES}
+    for cell in cells:
+        sites = {site(t.codemod) for t in select_transforms(registry, cell)
+                 if t.codemod is not None and any(s.startswith("kv-buffers") for s in t.seams)}
+        if not sites or None in sites:
+            raise ForgeError(f"{cell.name}: a KV-buffer transform calls no known site: {sites}")
+        for family in families.FAMILIES:
+            if all(family.name in families.SITE_FAMILIES[str(s)] for s in sites):
+                serving[family.name].add(cell.name)
+    return [c.name for c in cells], serving

@@ -15,6 +15,10 @@ layer beside attention, padded pages) and a Llama with an fp8 KV cache. For each
   `max_num_seqs=2` instead of 8, so their parity is proven on a run whose limit does not bind;
 - a sliding-window group holds O(window) blocks during the long request while the full group
   holds O(length): its blocks leave the pool as they leave the window.
+
+In a cell whose KV-buffer site does not serve a family (the README's families table), the
+elastic engine refuses that model at start with the one line naming the family and the cell,
+and leaves no pool record behind; `KVCACHED_ENABLE=0` runs it as stock.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.proof_cells import vllm_family_cells
 
 from .vllm_cpu_env import engine_env, run_engine_script
 from .vllm_cpu_family_run import BLOCK_SIZE, LONG_PROMPT, LONG_TOKENS, WINDOW
@@ -72,18 +78,20 @@ def _elastic(family: str, *, limited: bool) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", params=list(SETUPS))
-def family_runs(request: pytest.FixtureRequest, engine_venv: Path, stock_engine_venv: Path,
-                unloadable_packages_hidden: Path,
+def family_runs(request: pytest.FixtureRequest, l2_cell: str, engine_venv: Path,
+                stock_engine_venv: Path, unloadable_packages_hidden: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One family: its model, the stock run, the elastic run under a binding limit and, for a
-    family whose kernels are not batch invariant, an elastic run with no limit."""
+    family whose kernels are not batch invariant, an elastic run with no limit. In a cell that
+    does not serve the family: the refusal, and the run with `KVCACHED_ENABLE=0`."""
     family: str = request.param
     where = tmp_path_factory.mktemp(f"family-{family}")
     hidden = unloadable_packages_hidden
     model = where / "model"
     subprocess.run([str(engine_venv), str(RUNNER), "model", family, str(model)],
                    env=engine_env(hidden, where), check=True, capture_output=True, timeout=300)
-    runs: dict[str, Any] = {"family": family}
+    runs: dict[str, Any] = {"family": family, "cell": l2_cell,
+                            "served": l2_cell in vllm_family_cells()[1][family]}
 
     def run(name: str, python: Path, extra: dict[str, str] | None) -> None:
         run_dir = where / name
@@ -95,6 +103,13 @@ def family_runs(request: pytest.FixtureRequest, engine_venv: Path, stock_engine_
         assert list(shm.iterdir()) == [], "a pool record outlived its engine"
 
     run("stock", stock_engine_venv, None)
+    if not runs["served"]:
+        run("disabled", engine_venv, {"KVCACHED_ENABLE": "0"})
+        with pytest.raises(RuntimeError) as refused:
+            run("limited", engine_venv, _elastic(family, limited=True))
+        runs["refusal"] = str(refused.value)
+        assert list((where / "limited" / "shm").iterdir()) == [], "a refused engine's record"
+        return runs
     run("limited", engine_venv, _elastic(family, limited=True))
     if not SETUPS[family].batch_invariant:
         run("unlimited", engine_venv, _elastic(family, limited=False))
@@ -132,6 +147,14 @@ def test_each_family_keeps_stock_tokens_and_its_memory_follows_demand(
         family_runs: dict[str, Any]) -> None:
     family = family_runs["family"]
     setup = SETUPS[family]
+    if not family_runs["served"]:
+        # Refused at start in one line; switched off, the patched wheel is the stock engine.
+        line = (f"elastic KV cache (kvcached) does not serve the {family} model family in "
+                f"{family_runs['cell']} (")
+        assert line in family_runs["refusal"]
+        assert family_runs["disabled"]["shared"]["outputs"] == \
+            family_runs["stock"]["shared"]["outputs"]
+        return
     stock, limited = family_runs["stock"], family_runs["limited"]
     for run in (stock, limited):
         _all_complete(run)
@@ -160,6 +183,9 @@ def test_each_family_keeps_stock_tokens_and_its_memory_follows_demand(
 @pytest.mark.parametrize("family_runs", ["sliding-window"], indirect=True)
 def test_sliding_window_blocks_leave_the_pool_as_they_leave_the_window(
         family_runs: dict[str, Any]) -> None:
+    if not family_runs["served"]:
+        pytest.skip(f"{family_runs['cell']} refuses sliding-window models (the test above "
+                    "proves the refusal)")
     long = family_runs["limited"]["long"]
     kinds, peaks = long["group_kinds"], long["group_peak_blocks"]
     tokens = LONG_PROMPT + LONG_TOKENS

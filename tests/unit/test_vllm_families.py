@@ -11,14 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from packaging.version import Version
 
-from codemods.vllm.kv_buffers import SharedKVBuffer
-from forge.matrix import load_matrix
-from forge.registry import default_registry
-from forge.transforms import select_transforms
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.vllm import families
+from tests.proof_cells import vllm_family_cells
 from tests.unit.vllm_kv_stand_ins import FullAttentionSpec, SlidingWindowSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,31 +76,6 @@ def test_a_family_a_site_does_not_serve_is_refused_in_one_line() -> None:
         families.require_served("per_layer_kv_buffer", ["unknown (Spec)"])
 
 
-def _site(codemod: type) -> str | None:
-    """The adapter function a KV-buffer codemod writes into vLLM."""
-    site = getattr(codemod, "ADAPTER", None)
-    if site is None and issubclass(codemod, SharedKVBuffer):
-        site = "shared_kv_buffer"  # 0.29 - 0.33's transform names its adapter inline
-    return site
-
-
-def _cells_serving() -> tuple[list[str], dict[str, set[str]]]:
-    """The vLLM cells, oldest first, and the cells where each family is elastic."""
-    matrix = load_matrix(ROOT / "matrix.toml")
-    registry = default_registry()
-    cells = sorted((c for c in matrix.cells if c.engine == "vllm"),
-                   key=lambda c: Version(c.version))
-    serving: dict[str, set[str]] = {f.name: set() for f in families.FAMILIES}
-    for cell in cells:
-        sites = {_site(t.codemod) for t in select_transforms(registry, cell)
-                 if t.codemod is not None and any(s.startswith("kv-buffers") for s in t.seams)}
-        assert sites and None not in sites, (cell.name, sites)
-        for family in families.FAMILIES:
-            if all(family.name in families.SITE_FAMILIES[str(s)] for s in sites):
-                serving[family.name].add(cell.name)
-    return [c.name for c in cells], serving
-
-
 def _span(ordered: list[str], chosen: set[str]) -> str:
     """`first` ... `last` of a contiguous run of `ordered`, or none."""
     picked = [name for name in ordered if name in chosen]
@@ -121,7 +92,7 @@ def test_the_readme_families_table_says_where_each_family_is_elastic() -> None:
     assert match, "the README has no families:vllm table"
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in match.group(1).splitlines() if line.startswith("|")][2:]
-    ordered, serving = _cells_serving()
+    ordered, serving = vllm_family_cells()
     expected = {f.title: (_span(ordered, serving[f.name]),
                           _span(ordered, set(ordered) - serving[f.name]))
                 for f in families.FAMILIES}
