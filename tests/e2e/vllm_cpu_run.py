@@ -130,6 +130,7 @@ def kv_memory_reader() -> Any:
         snapshot = pool.snapshot()
         page_bytes = pool.geometry.page_bytes_all_layers
         counters = {
+            "page_bytes": page_bytes,
             "in_use_bytes": snapshot.in_use_pages * page_bytes,
             "mapped_bytes": pool.mapped_bytes(),
             "reserve_pool_bytes": snapshot.reserve_pool_pages * page_bytes,

@@ -25,6 +25,7 @@ from tests.unit.vllm_kv_stand_ins import (
     Config,
     FullAttentionSpec,
     Group,
+    MambaSpec,
     SlidingWindowSpec,
     Tensor,
     blocks_first_shape,
@@ -33,6 +34,7 @@ from tests.unit.vllm_kv_stand_ins import (
     kv_first_shape,
     nhd,
     no_stride_order,
+    set_elastic_env,
 )
 
 PAGE = 32 << 10            # KVCACHED_PAGE_SIZE in these tests
@@ -280,21 +282,13 @@ def test_a_layer_with_no_known_layout_is_refused(elastic: str) -> None:
         allocate(per_layer_config(), [(["another.layer"], blocks_first_shape, nhd)])
 
 
-def test_several_full_attention_groups_without_packing_are_refused(elastic: str) -> None:
-    config = per_layer_config()
-    config.kv_cache_groups.append(Group(layer_spec(), ["other"]))
-    with pytest.raises(KVCachedConfigError, match="one KV cache group"):
-        allocate(config, [(layer_names(), blocks_first_shape, nhd)])
-
-
 @pytest.mark.parametrize("block_stride", [0, 2 * BLOCK_BYTES], ids=["per-layer", "packed"])
 def test_a_family_the_site_does_not_serve_is_refused_by_name_before_any_pool(
         elastic: str, block_stride: int) -> None:
-    """vLLM <= 0.28's sites serve one full-attention group: a sliding-window model is
-    refused in one line naming its family, packed backing included, and no pool is made."""
+    """vLLM 0.10.1 - 0.28's site has no attention shape for Mamba state: a hybrid Mamba
+    model is refused in one line naming its family, packed backing included, no pool made."""
     config = per_layer_config()
-    window = SlidingWindowSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
-    config.kv_cache_groups.append(Group(window, ["other"]))
+    config.kv_cache_groups.append(Group(MambaSpec(BLOCK_TOKENS, BLOCK_BYTES), ["other"]))
     tensor = config.kv_cache_tensors[0]
     with pytest.raises(KVCachedConfigError) as caught:
         kv_tensor_buffer(torch.zeros, tensor.size, dtype=torch.int8,
@@ -302,11 +296,108 @@ def test_a_family_the_site_does_not_serve_is_refused_by_name_before_any_pool(
                          kv_cache_tensor=tensor, block_stride=block_stride,
                          kv_layouts=[(layer_names(), blocks_first_shape, nhd)])
     message = str(caught.value)
-    assert message.startswith("elastic KV cache (kvcached) does not serve the sliding-window "
-                              "model family in this build (sliding-window: ")
+    assert message.startswith("elastic KV cache (kvcached) does not serve the mamba model "
+                              "family in this build (mamba: ")
     assert message.endswith("set KVCACHED_ENABLE=0 for the stock KV cache")
     assert "\n" not in message
     assert pools.lookup(elastic) is None
+
+
+def test_vllm_0_9_site_refuses_sliding_window_models_by_name(elastic: str) -> None:
+    config = per_layer_config()
+    window = SlidingWindowSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
+    config.kv_cache_groups.append(Group(window, ["other"]))
+    tensor = config.kv_cache_tensors[0]
+    with pytest.raises(KVCachedConfigError, match="does not serve the sliding-window model"):
+        per_layer_kv_buffer(torch.zeros, tensor.size, dtype=torch.int8,
+                            device=torch.device("cpu"), kv_cache_config=config,
+                            kv_cache_tensor=tensor, kv_cache_shape=blocks_first_shape)
+    assert pools.lookup(elastic) is None
+
+
+def hybrid_config() -> tuple[Config, list[str], list[str]]:
+    """vLLM's hybrid allocator for 2 full and 2 sliding-window layers: two groups of the same
+    page size, each KVCacheTensor shared by one layer of each group."""
+    full, window = layer_names(2), [f"model.layers.{i}.window" for i in range(2)]
+    tensors = [Tensor(BLOCK_BYTES * NUM_BLOCKS, [f, w]) for f, w in zip(full, window,
+                                                                          strict=True)]
+    spec = SlidingWindowSpec(BLOCK_TOKENS, HEADS, HEAD_SIZE, BLOCK_BYTES)
+    return Config(tensors, [Group(layer_spec(), full), Group(spec, window)]), full, window
+
+
+@pytest.mark.parametrize(("shape_of", "order_of"), [
+    pytest.param(blocks_first_shape, nhd, id="flash-attn-0.25-NHD"),
+    pytest.param(kv_first_shape, no_stride_order, id="flash-attn-0.10"),
+])
+def test_sliding_window_groups_share_each_layer_slot_s_blocks(
+        elastic: str, shape_of: object, order_of: object) -> None:
+    """A page backs block `b` of every group in every layer slot: written through either
+    group's view, the bytes are where a stock buffer holds them."""
+    config, full, window = hybrid_config()
+    layouts = [(full, shape_of, order_of), (window, shape_of, order_of)]
+    ours = allocate(config, layouts)
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None
+    stock = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
+    k = engine_pool.tiling.min_blocks_per_page
+    [page] = engine_pool.pool.alloc(1)
+    for slot, tensor in enumerate(config.kv_cache_tensors):
+        shaped = [view(raw, shape_of, order_of, tensor) for raw in (ours[slot], stock[slot])]
+        block_dim = list(shaped[0].shape).index(NUM_BLOCKS)
+        for one in shaped:
+            for block in range(page * k, (page + 1) * k):
+                group = block % 2  # a block id is one group's at a time
+                one.select(block_dim, block).fill_(float(1 + group + 2 * slot))
+        # Element by element through vLLM's own view (the contiguous layout, which `auto`
+        # takes for blocks-first buffers, puts the same blocks at another block stride).
+        assert torch.equal(shaped[0], shaped[1]), slot
+
+
+def test_groups_of_different_block_shapes_are_refused_in_one_line(elastic: str) -> None:
+    config, full, window = hybrid_config()
+    config.kv_cache_groups[1].kv_cache_spec = SlidingWindowSpec(
+        BLOCK_TOKENS, HEADS * 2, HEAD_SIZE // 2, BLOCK_BYTES)
+    with pytest.raises(KVCachedConfigError, match="have different block shapes"):
+        allocate(config, [(full, blocks_first_shape, nhd), (window, blocks_first_shape, nhd)])
+    assert pools.lookup(elastic) is None
+
+
+def mla_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+              head_size: int) -> tuple[int, ...]:
+    """vLLM's MLA backends: one latent plane, `(blocks, tokens, latent)`."""
+    return (num_blocks, block_size, head_size)
+
+
+def test_mla_blocks_that_do_not_tile_a_page_are_backed_per_layer(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """DeepSeek's 576-wide bf16 latent at 32 tokens is 36,864 bytes: on 64 KiB pages the
+    ledger takes 7-page ledger pages of 12 whole blocks (or 11 at some pages); the blocks of a
+    ledger page are the stock buffer's bytes, in every layer."""
+    name = f"kvbuf-mla-{os.getpid()}"
+    set_elastic_env(monkeypatch, tmp_path, name, 64 << 10)
+    latent, tokens = 576, 32
+    block = latent * 2 * tokens
+    blocks = 7 * 64  # 7 ledger pages of 64 blocks' worth: 448 blocks, whole pages each
+    from tests.unit.test_vllm_families import MLAAttentionSpec
+
+    names = layer_names(2)
+    config = Config([Tensor(block * blocks, [n]) for n in names],
+                    [Group(MLAAttentionSpec(tokens, 1, latent, block), names)])
+    try:
+        ours = allocate(config, [(names, mla_shape, no_stride_order)])
+        engine_pool = pools.lookup(name)
+        assert engine_pool is not None
+        tiling = engine_pool.tiling
+        assert (tiling.unit_bytes, tiling.ledger_bytes) == (block, 7 * (64 << 10))
+        [page] = engine_pool.pool.alloc(1)
+        for raw in ours:
+            stock = torch.zeros_like(raw)
+            for b in tiling.blocks_of(page):
+                raw[b * block:(b + 1) * block] = b % 100
+                stock[b * block:(b + 1) * block] = b % 100
+            assert torch.equal(raw, stock)
+    finally:
+        pools.close(name)
 
 
 @pytest.mark.parametrize(("shape_of", "order_of"), [

@@ -172,3 +172,20 @@ def test_switched_off_the_hybrid_buffer_is_the_stock_allocation(
     raw = shared_kv_buffer(torch.zeros, 2 * LAYER, dtype=torch.int8,
                            device=torch.device("cpu"), regions=HYBRID)
     assert raw.numel() == 2 * LAYER and not raw.any()
+
+
+def test_an_explicit_contiguous_layout_over_layer_regions_is_refused_in_one_line(
+        elastic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.29+ lays a layer-outermost buffer out region per layer slot: a user's
+    `KVCACHED_LAYOUT=contiguous` cannot be honoured there, and is refused, not ignored."""
+    monkeypatch.setenv("KVCACHED_LAYOUT", "contiguous")
+    with pytest.raises(KVCachedConfigError) as caught:
+        shared_kv_buffer(torch.zeros, 2 * LAYER, dtype=torch.int8,
+                         device=torch.device("cpu"), regions=HYBRID)
+    assert "KVCACHED_LAYOUT=contiguous needs a blocks-first KV layout" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert pools.lookup(elastic) is None
+    # Blocks-first, the one buffer is one region: the compound layout it asks for.
+    shared_kv_buffer(torch.zeros, NUM_BLOCKS * 2 * BLOCK, dtype=torch.int8,
+                     device=torch.device("cpu"), regions=[(0, 2, BLOCK, 2 * BLOCK)])
+    assert pools.lookup(elastic) is not None

@@ -61,8 +61,16 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass
+class MambaSpec:
+    """A Mamba layer's state spec (no attention shape)."""
+
+    block_size: int
+    page_size_bytes: int
+
+
+@dataclass
 class Group:
-    kv_cache_spec: FullAttentionSpec
+    kv_cache_spec: FullAttentionSpec | MambaSpec
     layer_names: list[str]
 
 

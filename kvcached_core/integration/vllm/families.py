@@ -10,8 +10,12 @@ The version range of a family is then the range of the transforms that call its 
 (`codemods/catalog.py`); the README carries the table, checked against this module and the
 catalog by `tests/unit/test_vllm_families.py`.
 
-- `per_layer_kv_buffer` and `kv_tensor_buffer` (vLLM 0.9 - 0.28) build one buffer per layer
-  from one group's attention shape: one group of full attention (fp8 included).
+- `per_layer_kv_buffer` (vLLM 0.9 - 0.10.0) builds one buffer per layer from one backend's
+  shape: one group of full attention (fp8 included).
+- `kv_tensor_buffer` (vLLM 0.10.1 - 0.28) builds the buffer of each KVCacheTensor (or the one
+  packed backing) from the attention groups' shapes: besides full attention, sliding-window
+  groups (vLLM's hybrid allocator shares each tensor between one layer of every group, with
+  one page size) and MLA's one latent plane. Mamba layers have no attention shape there.
 - `shared_kv_buffer` (vLLM 0.29 - 0.34) is handed vLLM's one backing buffer and the
   KVCacheTensors every group overlays on it (each block id belongs to one group at a time).
   Backing block `b` of every tensor is the same bytes whatever the group's kind, so every family
@@ -57,7 +61,8 @@ FAMILIES: tuple[Family, ...] = (FULL_ATTENTION, SLIDING_WINDOW, MLA, MAMBA, FP8_
 #: The families each KV-buffer site makes elastic.
 SITE_FAMILIES: dict[str, frozenset[str]] = {
     "per_layer_kv_buffer": frozenset({FULL_ATTENTION.name, FP8_KV.name}),
-    "kv_tensor_buffer": frozenset({FULL_ATTENTION.name, FP8_KV.name}),
+    "kv_tensor_buffer": frozenset({FULL_ATTENTION.name, FP8_KV.name, SLIDING_WINDOW.name,
+                                   MLA.name}),
     "shared_kv_buffer": frozenset(family.name for family in FAMILIES),
 }
 

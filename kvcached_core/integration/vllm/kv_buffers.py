@@ -113,7 +113,7 @@ def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
     size = int(size)
-    spec = _single_group_spec(kv_cache_config, size, site="per_layer_kv_buffer")
+    spec = _uniform_spec(kv_cache_config, size, site="per_layer_kv_buffer")
     num_blocks = size // int(spec.page_size_bytes)
     shape = tuple(kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads,
                                  spec.head_size))
@@ -196,23 +196,38 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                                    region_bytes=_whole_pages(size, int(block_stride)),
                                    unit_bytes=int(block_stride))
         return _flat(engine_pool.pool.tensors[0], size)
-    spec = _single_group_spec(kv_cache_config, size, site="kv_tensor_buffer")
+    spec = _uniform_spec(kv_cache_config, size, site="kv_tensor_buffer")
     regions = _regions_of_tensor(kv_cache_tensor, spec, kv_layouts)
     return _layer_buffer(device, kv_cache_config, kv_cache_tensor, spec, size, regions)
 
 
-def _single_group_spec(kv_cache_config: Any, size: int, *, site: str) -> Any:
-    """The KV cache spec of a model with one KV cache group whose layer buffers are alike;
-    a family `site` does not serve is refused first, by name."""
+def _uniform_spec(kv_cache_config: Any, size: int, *, site: str) -> Any:
+    """The one KV cache spec that describes every layer buffer's blocks; a family `site` does
+    not serve is refused first, by name.
+
+    `kv_tensor_buffer` serves several groups (sliding-window layers beside full ones): vLLM's
+    hybrid allocator gives every group the same page size and lets one layer of each group
+    share a KVCacheTensor, a block id belonging to one group at a time, so when the groups'
+    attention shapes agree block `b` is the same bytes of the tensor in every group.
+    `per_layer_kv_buffer` (vLLM 0.9 - 0.10.0) is handed one backend's shape: one group only.
+    """
     families.require_served(site, families.families_of(kv_cache_config))
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+    if len(groups) != 1 and site == "per_layer_kv_buffer":
         raise KVCachedConfigError(
             f"elastic KV cache supports one KV cache group, this model has {len(groups)}; "
             "set KVCACHED_ENABLE=0"
         )
     if any(int(t.size) != size for t in kv_cache_config.kv_cache_tensors):
         raise KVCachedConfigError("elastic KV cache needs every layer's KV buffer the same size")
+    shapes = {tuple(int(getattr(g.kv_cache_spec, field)) for field in
+                    ("page_size_bytes", "block_size", "num_kv_heads", "head_size"))
+              for g in groups}
+    if len(shapes) != 1:
+        raise KVCachedConfigError(
+            f"the {len(groups)} KV cache groups of this model have different block shapes "
+            f"(page bytes, tokens, KV heads, head size: {sorted(shapes)}): one pool cannot "
+            "back them in this release; set KVCACHED_ENABLE=0")
     return groups[0].kv_cache_spec
 
 
@@ -356,6 +371,9 @@ def shared_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
     count, region, unit = shared_geometry(int(size), regions)
+    # The layout is vLLM's: a blocks-first buffer (one region) maps one compound page per
+    # logical page already; an explicit `contiguous` over layer regions cannot be honoured.
+    choose_contiguous_layout(engine_settings().contiguous_layout, regions=count, padded=False)
     engine_pool = _create_pool(device, num_tensors=1, regions=count, region_bytes=region,
                                unit_bytes=unit)
     return _flat(engine_pool.pool.tensors[0], int(size))
