@@ -12,7 +12,8 @@ one JSON command per line on stdin and answers each with one line on stdout that
     {"cmd": "burst", "prompts": [[token ids], ...], "max_tokens": N}
         -> {"outputs": [[ids], ...], "failed": k, "errors": [...], "seconds": s,
             "generated_tokens": t, "preemptions": p}
-    {"cmd": "state"} -> {"mapped_bytes": b, "charged_bytes": c, "limit_bytes": l, "pid": pid}
+    {"cmd": "state"} -> {"mapped_bytes": b, "charged_bytes": c, "committed_bytes": h,
+                         "limit_bytes": l, "pid": pid}
     {"cmd": "quit"}  -> {"bye": true}
 
 While no command is pending the engine is idle, and an idle engine runs no scheduler step. A
@@ -110,8 +111,9 @@ def state(pool: Any) -> dict[str, Any]:
     backend = pool.backend
     charged = int(backend.charged_bytes()) if hasattr(backend, "charged_bytes") else -1
     limit = int(pool.snapshot().target_pages) * int(pool.geometry.page_bytes_all_layers)
+    committed = int(backend.committed_bytes()) if hasattr(backend, "committed_bytes") else -1
     return {"mapped_bytes": int(pool.mapped_bytes()), "charged_bytes": charged,
-            "limit_bytes": limit, "pid": os.getpid()}
+            "committed_bytes": committed, "limit_bytes": limit, "pid": os.getpid()}
 
 
 def serve(model: Path) -> None:
@@ -252,14 +254,14 @@ class MemoryTimeline:
 
     def sample(self) -> dict[str, Any]:
         from kvcached_core.budget import read_budget
-        from kvcached_core.limits import UnknownPoolError, read_record
+        from kvcached_core.limits import CorruptRecordError, UnknownPoolError, read_record
 
         row: dict[str, Any] = {"t": self.now()}
         for pool in self.pools:
             try:
                 record = read_record(pool, self.directory)
                 row[pool] = record.used_bytes + record.reserved_bytes
-            except UnknownPoolError:
+            except (UnknownPoolError, CorruptRecordError):  # gone, or being rewritten
                 row[pool] = 0
         state = read_budget(self.budget, self.directory)
         row["capacity"] = state.capacity_bytes
