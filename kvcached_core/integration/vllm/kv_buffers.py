@@ -113,7 +113,8 @@ def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
     size = int(size)
-    spec = _uniform_spec(kv_cache_config, size, site="per_layer_kv_buffer")
+    families.require_served("per_layer_kv_buffer", families.families_of(kv_cache_config))
+    spec = _uniform_spec(kv_cache_config, size, one_group=True)
     num_blocks = size // int(spec.page_size_bytes)
     shape = tuple(kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads,
                                  spec.head_size))
@@ -196,14 +197,14 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                                    region_bytes=_whole_pages(size, int(block_stride)),
                                    unit_bytes=int(block_stride))
         return _flat(engine_pool.pool.tensors[0], size)
-    spec = _uniform_spec(kv_cache_config, size, site="kv_tensor_buffer")
+    spec = _uniform_spec(kv_cache_config, size, one_group=False)
     regions = _regions_of_tensor(kv_cache_tensor, spec, kv_layouts)
     return _layer_buffer(device, kv_cache_config, kv_cache_tensor, spec, size, regions)
 
 
-def _uniform_spec(kv_cache_config: Any, size: int, *, site: str) -> Any:
-    """The one KV cache spec that describes every layer buffer's blocks; a family `site` does
-    not serve is refused first, by name.
+def _uniform_spec(kv_cache_config: Any, size: int, *, one_group: bool) -> Any:
+    """The one KV cache spec that describes every layer buffer's blocks (the caller has
+    refused, by name, any family its site does not serve).
 
     `kv_tensor_buffer` serves several groups (sliding-window layers beside full ones): vLLM's
     hybrid allocator gives every group the same page size and lets one layer of each group
@@ -211,9 +212,8 @@ def _uniform_spec(kv_cache_config: Any, size: int, *, site: str) -> Any:
     attention shapes agree block `b` is the same bytes of the tensor in every group.
     `per_layer_kv_buffer` (vLLM 0.9 - 0.10.0) is handed one backend's shape: one group only.
     """
-    families.require_served(site, families.families_of(kv_cache_config))
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 and site == "per_layer_kv_buffer":
+    if one_group and len(groups) != 1:
         raise KVCachedConfigError(
             f"elastic KV cache supports one KV cache group, this model has {len(groups)}; "
             "set KVCACHED_ENABLE=0"
