@@ -66,7 +66,7 @@ def test_a_config_s_groups_are_named_by_their_spec_classes() -> None:
 def test_a_family_a_site_does_not_serve_is_refused_in_one_line() -> None:
     families.require_served("shared_kv_buffer", ["sliding-window", "mla", "mamba", "fp8-kv"])
     with pytest.raises(KVCachedConfigError) as caught:
-        families.require_served("kv_tensor_buffer", ["full-attention", "mamba"])
+        families.require_served("per_layer_kv_buffer", ["full-attention", "mamba"])
     message = str(caught.value)
     assert message.startswith("elastic KV cache (kvcached) does not serve the mamba model "
                               "family in this build (mamba: Mamba / linear-attention state")

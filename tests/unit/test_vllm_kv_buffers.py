@@ -282,25 +282,90 @@ def test_a_layer_with_no_known_layout_is_refused(elastic: str) -> None:
         allocate(per_layer_config(), [(["another.layer"], blocks_first_shape, nhd)])
 
 
-@pytest.mark.parametrize("block_stride", [0, 2 * BLOCK_BYTES], ids=["per-layer", "packed"])
-def test_a_family_the_site_does_not_serve_is_refused_by_name_before_any_pool(
-        elastic: str, block_stride: int) -> None:
-    """vLLM 0.10.1 - 0.28's site has no attention shape for Mamba state: a hybrid Mamba
-    model is refused in one line naming its family, packed backing included, no pool made."""
+def test_vllm_0_9_site_refuses_mamba_models_by_name_before_any_pool(elastic: str) -> None:
+    """vLLM 0.9 - 0.10.0's site lays out one backend's shape: a hybrid Mamba model is refused
+    in one line naming its family, no pool made."""
     config = per_layer_config()
     config.kv_cache_groups.append(Group(MambaSpec(BLOCK_TOKENS, BLOCK_BYTES), ["other"]))
     tensor = config.kv_cache_tensors[0]
     with pytest.raises(KVCachedConfigError) as caught:
-        kv_tensor_buffer(torch.zeros, tensor.size, dtype=torch.int8,
-                         device=torch.device("cpu"), kv_cache_config=config,
-                         kv_cache_tensor=tensor, block_stride=block_stride,
-                         kv_layouts=[(layer_names(), blocks_first_shape, nhd)])
+        per_layer_kv_buffer(torch.zeros, tensor.size, dtype=torch.int8,
+                            device=torch.device("cpu"), kv_cache_config=config,
+                            kv_cache_tensor=tensor, kv_cache_shape=blocks_first_shape)
     message = str(caught.value)
     assert message.startswith("elastic KV cache (kvcached) does not serve the mamba model "
                               "family in this build (mamba: ")
     assert message.endswith("set KVCACHED_ENABLE=0 for the stock KV cache")
     assert "\n" not in message
     assert pools.lookup(elastic) is None
+
+
+def test_explicit_contiguous_refuses_a_hybrid_mamba_model(
+        elastic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_LAYOUT", "contiguous")
+    config, attn, _ = mamba_hybrid_config()
+    with pytest.raises(KVCachedConfigError, match="contiguous does not support Mamba state"):
+        allocate(config, [(attn, kv_first_shape, no_stride_order)])
+
+
+def test_a_hybrid_mamba_model_whose_groups_differ_in_page_size_is_refused(
+        elastic: str) -> None:
+    config, attn, _ = mamba_hybrid_config()
+    config.kv_cache_groups[1].kv_cache_spec = MambaSpec(BLOCK_TOKENS, BLOCK_BYTES * 2)
+    with pytest.raises(KVCachedConfigError, match="have pages of"):
+        allocate(config, [(attn, kv_first_shape, no_stride_order)])
+    assert pools.lookup(elastic) is None
+
+
+def mamba_hybrid_config() -> tuple[Config, list[str], list[str]]:
+    """vLLM's hybrid allocator for 2 attention and 2 Mamba layers: each KVCacheTensor shared
+    by one attention layer and one Mamba layer, one page size."""
+    attn, mamba = layer_names(2), [f"model.layers.{i}.mixer" for i in range(2)]
+    tensors = [Tensor(BLOCK_BYTES * NUM_BLOCKS, [a, m]) for a, m in zip(attn, mamba,
+                                                                          strict=True)]
+    groups = [Group(layer_spec(), attn), Group(MambaSpec(BLOCK_TOKENS, BLOCK_BYTES), mamba)]
+    return Config(tensors, groups), attn, mamba
+
+
+def hybrid_views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.25.1's views of one shared buffer of a hybrid Mamba model: the attention layer's
+    (2, blocks, ...) FlashAttention cache restrided blocks-first
+    (`_update_hybrid_attention_mamba_layout`), and a Mamba state strided by the page."""
+    kv = raw.view(DTYPE).view(kv_first_shape(NUM_BLOCKS, BLOCK_TOKENS, HEADS, HEAD_SIZE))
+    hidden = kv.shape[2:].numel()
+    kv.as_strided_(size=kv.shape, stride=(hidden, 2 * hidden, *kv.stride()[2:]))
+    per_page = BLOCK_BYTES // DTYPE.itemsize
+    state = torch.as_strided(raw.view(DTYPE), size=(NUM_BLOCKS, per_page // 2),
+                             stride=(per_page, 1))
+    return kv, state
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "auto"])
+def test_a_hybrid_mamba_model_s_block_is_one_page_sized_range_of_every_buffer(
+        elastic: str, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """vLLM 0.10.2 - 0.28 lay a hybrid Mamba model's buffers out blocks-first, so the pool
+    backs block `b` as bytes [b * page, (b + 1) * page) of every buffer, whichever group holds
+    it (the attention layers' K/V planes are not regions here): blocks of a mapped page,
+    written through the attention view or the state view, land where a stock buffer has them.
+    `auto` takes per-layer buffers: vLLM reads Mamba state through as_strided views."""
+    monkeypatch.setenv("KVCACHED_LAYOUT", layout)
+    config, attn, _ = mamba_hybrid_config()
+    ours = allocate(config, [(attn, kv_first_shape, no_stride_order)])
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None
+    assert engine_pool.tiling.unit_bytes == BLOCK_BYTES
+    assert not engine_pool.pool.geometry.contiguous
+    stock = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
+    [page] = engine_pool.pool.alloc(1)
+    for slot in range(len(config.kv_cache_tensors)):
+        for raw in (ours[slot], stock[slot]):
+            kv, state = hybrid_views(raw)
+            for block in engine_pool.tiling.blocks_of(page):
+                if block % 2:  # a block id is one group's at a time
+                    state[block].fill_(float(1 + slot))
+                else:
+                    kv[:, block].fill_(float(3 + slot))
+        assert torch.equal(ours[slot], stock[slot]), slot
 
 
 def test_vllm_0_9_site_refuses_sliding_window_models_by_name(elastic: str) -> None:
@@ -551,17 +616,18 @@ def test_explicit_per_layer_keeps_one_tensor_per_layer_for_blocks_first(
     assert len(engine_pool.pool.tensors) == NUM_LAYERS
 
 
-@pytest.mark.parametrize(("requested", "regions", "padded", "chosen"), [
-    (None, 1, False, True),
-    (None, 2, False, False),
-    (None, 1, True, False),
-    (False, 1, False, False),
-    (False, 2, True, False),
-    (True, 1, False, True),
+@pytest.mark.parametrize(("requested", "regions", "strided", "chosen"), [
+    (None, 1, None, True),
+    (None, 2, None, False),
+    (None, 1, "padded KV pages", False),
+    (None, 1, "Mamba state", False),
+    (False, 1, None, False),
+    (False, 2, "padded KV pages", False),
+    (True, 1, None, True),
 ])
-def test_layout_choice_rule(requested: bool | None, regions: int, padded: bool,
+def test_layout_choice_rule(requested: bool | None, regions: int, strided: str | None,
                             chosen: bool) -> None:
-    assert choose_contiguous_layout(requested, regions=regions, padded=padded) is chosen
+    assert choose_contiguous_layout(requested, regions=regions, strided_views=strided) is chosen
 
 
 def test_layout_setting_reads_auto_by_default() -> None:

@@ -15,7 +15,8 @@ catalog by `tests/unit/test_vllm_families.py`.
 - `kv_tensor_buffer` (vLLM 0.10.1 - 0.28) builds the buffer of each KVCacheTensor (or the one
   packed backing) from the attention groups' shapes: besides full attention, sliding-window
   groups (vLLM's hybrid allocator shares each tensor between one layer of every group, with
-  one page size) and MLA's one latent plane. Mamba layers have no attention shape there.
+  one page size), MLA's one latent plane, and Mamba state beside attention (the runners lay a
+  hybrid Mamba model's every buffer out blocks-first, so a block is one page-sized range).
 - `shared_kv_buffer` (vLLM 0.29 - 0.34) is handed vLLM's one backing buffer and the
   KVCacheTensors every group overlays on it (each block id belongs to one group at a time).
   Backing block `b` of every tensor is the same bytes whatever the group's kind, so every family
@@ -62,7 +63,7 @@ FAMILIES: tuple[Family, ...] = (FULL_ATTENTION, SLIDING_WINDOW, MLA, MAMBA, FP8_
 SITE_FAMILIES: dict[str, frozenset[str]] = {
     "per_layer_kv_buffer": frozenset({FULL_ATTENTION.name, FP8_KV.name}),
     "kv_tensor_buffer": frozenset({FULL_ATTENTION.name, FP8_KV.name, SLIDING_WINDOW.name,
-                                   MLA.name}),
+                                   MLA.name, MAMBA.name}),
     "shared_kv_buffer": frozenset(family.name for family in FAMILIES),
 }
 

@@ -124,7 +124,8 @@ def per_layer_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
         regions = 1
     else:
         raise KVCachedConfigError(f"unsupported KV cache shape {shape} for {num_blocks} blocks")
-    return _layer_buffer(device, kv_cache_config, kv_cache_tensor, spec, size, regions)
+    return _layer_buffer(device, kv_cache_config, kv_cache_tensor, int(spec.page_size_bytes),
+                         size, regions=regions, strided_views=_strided_views(spec))
 
 
 def planes_outside_blocks(kv_cache_shape: ShapeOf, kv_cache_stride_order: StrideOrderOf, *,
@@ -189,7 +190,8 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     if not engine_settings().enabled:
         return zeros(size, dtype=dtype, device=device)
     size = int(size)
-    families.require_served("kv_tensor_buffer", families.families_of(kv_cache_config))
+    found = families.families_of(kv_cache_config)
+    families.require_served("kv_tensor_buffer", found)
     if int(block_stride) > 0:
         # One backing for every layer of every group: block b is one contiguous range, so a
         # page backs the same block ids of every group (they share one block pool).
@@ -197,9 +199,43 @@ def kv_tensor_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
                                    region_bytes=_whole_pages(size, int(block_stride)),
                                    unit_bytes=int(block_stride))
         return _flat(engine_pool.pool.tensors[0], size)
+    if families.MAMBA.name in found:
+        # A model with Mamba groups: both runners of these releases lay every buffer out
+        # blocks-first (`_update_hybrid_attention_mamba_layout` restrides attention layers from
+        # (2, num_blocks, ...) to (num_blocks, 2, ...); state tensors are strided by the page),
+        # so block b is bytes [b * page, (b + 1) * page) of every buffer, whatever its group.
+        page_bytes = _hybrid_page(kv_cache_config, size)
+        return _layer_buffer(device, kv_cache_config, kv_cache_tensor, page_bytes, size,
+                             regions=1, strided_views="Mamba state")
     spec = _uniform_spec(kv_cache_config, size, one_group=False)
     regions = _regions_of_tensor(kv_cache_tensor, spec, kv_layouts)
-    return _layer_buffer(device, kv_cache_config, kv_cache_tensor, spec, size, regions)
+    return _layer_buffer(device, kv_cache_config, kv_cache_tensor, int(spec.page_size_bytes),
+                         size, regions=regions, strided_views=_strided_views(spec))
+
+
+def _strided_views(spec: Any) -> str | None:
+    """What makes vLLM read a group's buffers through as_strided views of their storage."""
+    return "padded KV pages" if getattr(spec, "page_size_padded", None) is not None else None
+
+
+def _hybrid_page(kv_cache_config: Any, size: int) -> int:
+    """The one page size of a hybrid model's groups (vLLM's hybrid allocator pads them to
+    one)."""
+    _require_equal_buffers(kv_cache_config, size)
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    pages = {int(spec.page_size_bytes) for spec in specs}
+    if len(pages) != 1:
+        raise KVCachedConfigError(
+            f"the {len(specs)} KV cache groups of this hybrid model have pages of "
+            f"{sorted(pages)} bytes: one pool cannot back them in this release; set "
+            "KVCACHED_ENABLE=0")
+    return pages.pop()
+
+
+def _require_equal_buffers(kv_cache_config: Any, size: int) -> None:
+    """One pool backs every layer buffer at one size: refuse buffers of other sizes."""
+    if any(int(t.size) != size for t in kv_cache_config.kv_cache_tensors):
+        raise KVCachedConfigError("elastic KV cache needs every layer's KV buffer the same size")
 
 
 def _uniform_spec(kv_cache_config: Any, size: int, *, one_group: bool) -> Any:
@@ -218,8 +254,7 @@ def _uniform_spec(kv_cache_config: Any, size: int, *, one_group: bool) -> Any:
             f"elastic KV cache supports one KV cache group, this model has {len(groups)}; "
             "set KVCACHED_ENABLE=0"
         )
-    if any(int(t.size) != size for t in kv_cache_config.kv_cache_tensors):
-        raise KVCachedConfigError("elastic KV cache needs every layer's KV buffer the same size")
+    _require_equal_buffers(kv_cache_config, size)
     shapes = {tuple(int(getattr(g.kv_cache_spec, field)) for field in
                     ("page_size_bytes", "block_size", "num_kv_heads", "head_size"))
               for g in groups}
@@ -231,15 +266,14 @@ def _uniform_spec(kv_cache_config: Any, size: int, *, one_group: bool) -> Any:
     return groups[0].kv_cache_spec
 
 
-def _layer_buffer(device: Any, kv_cache_config: Any, kv_cache_tensor: Any, spec: Any,
-                  size: int, regions: int) -> Any:
+def _layer_buffer(device: Any, kv_cache_config: Any, kv_cache_tensor: Any, page_bytes: int,
+                  size: int, *, regions: int, strided_views: str | None) -> Any:
     """The raw buffer of one layer's KVCacheTensor (`regions` equal regions, block `b` one
     range of each), from the engine's pool, which the first layer creates.
 
     With R = 1 the address space is rounded up to whole pages (vLLM's minimal profiling cache
     need not be whole pages); the buffer is its first `size` bytes.
     """
-    page_bytes = int(spec.page_size_bytes)
     if page_bytes % regions or size % page_bytes:
         raise KVCachedConfigError(
             f"a KV buffer of {size} bytes in {regions} region(s) is not whole blocks of "
@@ -253,8 +287,7 @@ def _layer_buffer(device: Any, kv_cache_config: Any, kv_cache_tensor: Any, spec:
     index = next(i for i, t in enumerate(tensors) if t is kv_cache_tensor)
     contiguous = choose_contiguous_layout(engine_settings().contiguous_layout,
                                           regions=regions,
-                                          padded=getattr(spec, "page_size_padded", None)
-                                          is not None)
+                                          strided_views=strided_views)
     existing = pools.lookup(pool_name())
     if index == 0 or existing is None or existing.attached:
         existing = _create_pool(device, num_tensors=len(tensors), regions=regions,
@@ -266,23 +299,25 @@ def _layer_buffer(device: Any, kv_cache_config: Any, kv_cache_tensor: Any, spec:
     return _flat(existing.pool.tensors[index], size)
 
 
-def choose_contiguous_layout(requested: bool | None, *, regions: int, padded: bool) -> bool:
+def choose_contiguous_layout(requested: bool | None, *, regions: int,
+                             strided_views: str | None) -> bool:
     """Whether a pool of layer buffers takes the contiguous layout.
 
     `requested` is `KVCACHED_LAYOUT`: True (contiguous), False (per-layer) or None (auto).
     Contiguous needs a blocks-first KV layout (R = 1: a block is one range of a layer's
-    buffer) without padded pages (vLLM reads those through an as_strided view of the raw
-    storage, which would not see this layout's block stride). `auto` takes it wherever it
+    buffer) that vLLM reads with `.view()`: `strided_views` names what it reads through
+    as_strided views of the raw storage instead (padded pages, Mamba state), which would not
+    see this layout's block stride. `auto` takes it wherever it
     fits, on every device: one mapping per logical page instead of one per layer (on an H200
     0.34-0.37 ms against 1.89-1.97 ms per logical page of a 16-layer model; see
     docs/runtime.md). An explicit `contiguous` that cannot be honoured is refused.
     """
-    fits = regions == 1 and not padded
+    fits = regions == 1 and strided_views is None
     if requested is None:
         return fits
-    if requested and padded:
+    if requested and strided_views is not None:
         raise KVCachedConfigError(
-            "KVCACHED_LAYOUT=contiguous does not support padded KV pages; use "
+            f"KVCACHED_LAYOUT=contiguous does not support {strided_views}; use "
             "KVCACHED_LAYOUT=per-layer (or auto)"
         )
     if requested and regions != 1:
@@ -373,7 +408,7 @@ def shared_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     count, region, unit = shared_geometry(int(size), regions)
     # The layout is vLLM's: a blocks-first buffer (one region) maps one compound page per
     # logical page already; an explicit `contiguous` over layer regions cannot be honoured.
-    choose_contiguous_layout(engine_settings().contiguous_layout, regions=count, padded=False)
+    choose_contiguous_layout(engine_settings().contiguous_layout, regions=count, strided_views=None)
     engine_pool = _create_pool(device, num_tensors=1, regions=count, region_bytes=region,
                                unit_bytes=unit)
     return _flat(engine_pool.pool.tensors[0], int(size))
