@@ -63,6 +63,18 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "--durations=20", *session.posargs)
 
 
+@nox.session(python=PYTHON, tags=["soak"], default=False)
+def soak(session: nox.Session) -> None:
+    """The soak (`benchmarks/soak.py` through tests/e2e/test_soak.py) for SECONDS (first
+    argument, default 3600) against the README's cell; its report in reports/soak/."""
+    seconds = session.posargs[0] if session.posargs else "3600"
+    session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
+    _install_runtime(session)
+    out = ROOT / "reports" / "soak"
+    session.run("python", "-m", "pytest", "tests/e2e/test_soak.py", "-q", *session.posargs[1:],
+                env={"KVCACHED_SOAK_SECONDS": seconds, "KVCACHED_SOAK_OUT": str(out)})
+
+
 def core_pythons() -> list[str]:
     """CPython minors that some cell allows and kvcached-core's Requires-Python allows."""
     from packaging.specifiers import SpecifierSet

@@ -11,10 +11,14 @@ passed, a seeded random schedule runs cycles of:
   while it runs, sometimes a `kvctl limit` lowers or raises one engine's limit;
 - an idle gap of 1 - 4 s; after it, each engine's mapped KV must be back at its floor (the null
   block's page) and its pool's figure must equal the host backend's committed bytes;
-- every `--kill-every` seconds, SIGKILL of one engine in the middle of its burst: within
-  `KILL_BOUND_S` its process is gone, the budget no longer counts it, its record is stale and
-  `kvctl list --gc` (`collect_stale`) removes it; the engine is started again under the same
-  pool name and must give its reference tokens;
+- every `--kill-every` seconds, alternately, SIGKILL of one engine's process or of one
+  tensor-parallel worker of engine B (`--tp`, default 2: B runs vLLM's mp executor with its
+  workers in processes of their own) in the middle of a burst. A killed engine: within
+  `KILL_BOUND_S` its process and its workers are gone, the budget no longer counts it, its
+  record is stale and `kvctl list --gc` (`collect_stale`) removes it. A killed worker: B's
+  burst fails as the stock engine's does, B is closed, and within `KILL_BOUND_S` B's process,
+  its workers, its record, its budget membership and its job's sockets are gone. Either way
+  the engine is started again under the same pool name and must give its reference tokens;
 - every `--corrupt-every` seconds, garbage written over a live engine's limit record: its owner
   must rewrite it within `CORRUPT_BOUND_S` while serving.
 
@@ -25,8 +29,8 @@ ours may be left in the soak's shared-memory directory. Written to `--out`: `soa
 cycle, every check that failed), `soak_timeline.csv` and `soak_timeline.png`. Exit status 1 when
 any check failed.
 
-Not covered here yet: an SGLang engine in the same budget and a TP worker process killed (the
-issue that asked for this soak lists both).
+`tests/e2e/test_soak.py` runs this for 150 s in every test run; `nox -s soak -- SECONDS` (nightly,
+an hour) for longer. Not covered here yet: an SGLang engine in the same budget.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvcached_core.budget import delete_budget, read_budget, set_budget  # noqa: E402
+from kvcached_core.integration.vllm.workers import job_root  # noqa: E402
 from kvcached_core.limits import (  # noqa: E402
     CorruptRecordError,
     UnknownPoolError,
@@ -94,7 +99,9 @@ class Soak:
     hidden: Path
     shm: Path
     extra_pythonpath: str
+    tp: dict[str, int] = field(default_factory=dict)
     engines: dict[str, EngineProcess] = field(default_factory=dict)
+    workers: dict[str, list[int]] = field(default_factory=dict)
     references: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     cycles: list[dict[str, Any]] = field(default_factory=list)
@@ -111,9 +118,11 @@ class Soak:
             env["PYTHONPATH"] = f"{env['PYTHONPATH']}{os.pathsep}{self.extra_pythonpath}"
         self.starts += 1
         engine = EngineProcess(label, self.python, self.model, env,
-                               self.shm.parent / f"engine-{label}-{self.starts}.log")
-        engine.wait_ready(START_TIMEOUT_S)
+                               self.shm.parent / f"engine-{label}-{self.starts}.log",
+                               tp=self.tp.get(label, 1))
+        ready = engine.wait_ready(START_TIMEOUT_S)
         self.engines[label] = engine
+        self.workers[label] = list(ready.get("workers") or [])
 
     def fail(self, what: str) -> None:
         self.failures.append(what)
@@ -144,7 +153,7 @@ class Soak:
         deadline = time.monotonic() + IDLE_BOUND_S
         while True:
             state = self.engines[label].request({"cmd": "state"})
-            at_floor = state["mapped_bytes"] <= PAGE_ALL_LAYERS
+            at_floor = state["mapped_bytes"] <= state["page_bytes"]  # the null block's page
             agrees = state.get("committed_bytes", state["mapped_bytes"]) == state["mapped_bytes"]
             if at_floor and agrees:
                 return
@@ -153,11 +162,15 @@ class Soak:
                 return
             time.sleep(0.1)
 
-    def check_killed(self, label: str, pid: int) -> None:
-        """The killed engine's process, budget membership and (after gc) record are gone."""
+    def check_killed(self, label: str, pid: int, *, closed: bool = False) -> None:
+        """The killed engine's process and workers, budget membership and (after gc) record
+        are gone; after a killed worker (`closed`: the engine was then closed) its job's
+        sockets and directory too."""
         deadline = time.monotonic() + KILL_BOUND_S
         while True:
-            gone = not Path(f"/proc/{pid}").exists()
+            gone = not any(Path(f"/proc/{p}").exists() for p in [pid, *self.workers[label]])
+            if closed:
+                gone = gone and not job_root(self.pool(label)).exists()
             members = {m.pid for m in read_budget("soak", self.shm).members}
             try:
                 stale = read_record(self.pool(label), self.shm).stale
@@ -167,11 +180,13 @@ class Soak:
                 break
             if time.monotonic() > deadline:
                 self.fail(f"killed engine {label} (pid {pid}) not gone in {KILL_BOUND_S} s: "
-                          f"process gone {gone}, budget member {pid in members}, record "
-                          f"stale {stale}")
+                          f"processes and sockets gone {gone}, budget member {pid in members}, "
+                          f"record stale {stale}")
                 return
             time.sleep(0.1)
         removed = [r.pool for r in collect_stale(self.shm)]
+        if closed:  # a clean exit removed its own record: gc finds nothing of it
+            return
         if self.pool(label) not in removed:
             self.fail(f"kvctl list --gc did not remove {self.pool(label)}'s record: {removed}")
 
@@ -204,11 +219,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     budget = BUDGET_PAGES * PAGE_ALL_LAYERS
     set_budget("soak", budget, directory=shm)
     soak = Soak(args.engine_python, model, hidden, shm,
-                str(REPO) if args.core_from_checkout else "")
+                str(REPO) if args.core_from_checkout else "", tp={"b": args.tp})
     prompts = workload_token_ids() * 2
     timeline = MemoryTimeline([soak.pool("a"), soak.pool("b")], "soak", shm)
     began = time.monotonic()
     next_kill = began + args.kill_every
+    kills = 0
     next_corrupt = began + args.corrupt_every
     timeline.__enter__()
     try:
@@ -220,7 +236,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             chosen = {label: sorted(rng.sample(range(len(prompts)), rng.randint(2, 24)))
                       for label in labels}
             kill = time.monotonic() >= next_kill
-            victim = rng.choice(labels) if kill else None
+            # Alternately an engine's process and, where B has workers, one of B's workers.
+            worker_kill = kill and args.tp > 1 and kills % 2 == 1
+            if worker_kill and "b" not in labels:
+                labels = "ab"
+                chosen["b"] = sorted(rng.sample(range(len(prompts)), rng.randint(2, 24)))
+            victim = ("b" if worker_kill else rng.choice(labels)) if kill else None
             killed = {victim} if victim else set()
             results: dict[str, dict[str, Any]] = {}
 
@@ -241,9 +262,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if victim is not None:
                 time.sleep(rng.uniform(0.02, 0.1))  # bursts take 0.1 - 0.5 s here
                 pid = soak.engines[victim].pid
-                os.kill(pid, signal.SIGKILL)
-                timeline.mark(f"SIGKILL {victim}")
+                target = rng.choice(soak.workers[victim]) if worker_kill else pid
+                os.kill(target, signal.SIGKILL)
+                kills += 1
+                what = "worker of" if worker_kill else "engine"
+                timeline.mark(f"SIGKILL {what} {victim}")
                 cycle["killed"] = victim
+                cycle["kill"] = "worker" if worker_kill else "engine"
             for thread in threads:
                 thread.join()
             cycle["bursts"] = {la: {"requests": len(chosen[la]), "failed": r["failed"],
@@ -251,8 +276,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "preemptions": r["preemptions"]}
                                for la, r in results.items()}
             if victim is not None:
-                soak.engines[victim].close(timeout_s=5)
-                soak.check_killed(victim, pid)
+                # A dead engine's process exits at once; one whose worker died is told to quit
+                # (vLLM's executor has shut down; the process lives until it is closed).
+                soak.engines[victim].close(timeout_s=60 if worker_kill else 5)
+                soak.check_killed(victim, pid, closed=worker_kill)
                 soak.start(victim)
                 timeline.mark(f"restart {victim}")
                 next_kill = time.monotonic() + args.kill_every
@@ -288,6 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "duration_s": round(time.monotonic() - began, 1), "seed": args.seed,
         "cycles": len(soak.cycles), "requests": requests,
         "kills": sum(1 for c in soak.cycles if "killed" in c),
+        "worker_kills": sum(1 for c in soak.cycles if c.get("kill") == "worker"),
         "corruptions": sum(1 for c in soak.cycles if "corrupted" in c),
         "limit_changes": sum(1 for c in soak.cycles if "limit" in c),
         "engine_starts": soak.starts,
@@ -315,10 +343,12 @@ def render(csv_path: Path, events: list[tuple[str, float]], png: Path, budget: i
     t = [float(r["t_s"]) for r in rows]
     mib = 1 << 20
     figure, axes = plt.subplots(figsize=(14, 5.5))
-    for key, label, color in (("soak-a_mapped", "engine A", "tab:blue"),
-                              ("soak-b_mapped", "engine B", "tab:orange"),
-                              ("sum_charged", "A + B charged", "tab:green")):
-        axes.plot(t, [int(r[key]) / mib for r in rows], label=label, color=color, lw=0.8)
+    # The sum first and pale: drawn last it would hide both engines' lines beneath it.
+    for key, label, color, alpha in (("sum_charged", "A + B charged", "tab:green", 0.35),
+                                     ("soak-a_mapped", "engine A", "tab:blue", 0.9),
+                                     ("soak-b_mapped", "engine B", "tab:orange", 0.9)):
+        axes.plot(t, [int(r[key]) / mib for r in rows], label=label, color=color, lw=0.8,
+                  alpha=alpha)
     axes.axhline(budget / mib, color="black", ls="--", lw=1.5, label="budget")
     for label, at in events:
         if label.startswith(("SIGKILL", "corrupt")):
@@ -326,8 +356,8 @@ def render(csv_path: Path, events: list[tuple[str, float]], png: Path, budget: i
                          ls=":", lw=1)
     axes.set_xlabel("time (s)")
     axes.set_ylabel("KV memory (MiB)")
-    axes.set_title("Soak: two patched vLLM CPU engines, one budget, kills (red) and corrupted "
-                   "records (purple)")
+    axes.set_title("Soak: two patched vLLM CPU engines (B with 2 TP workers), one budget, kills "
+                   "of an engine or a worker (red) and corrupted records (purple)")
     axes.legend(loc="upper right", fontsize=9)
     axes.grid(alpha=0.3)
     figure.tight_layout()
@@ -342,6 +372,8 @@ def main() -> int:
     parser.add_argument("--kill-every", type=float, default=300.0, help="seconds")
     parser.add_argument("--corrupt-every", type=float, default=120.0, help="seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=2,
+                        help="tensor-parallel size of engine B (1: no worker processes)")
     parser.add_argument("--core-from-checkout", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE / "soak")
     args = parser.parse_args()

@@ -8,7 +8,8 @@ pull-request.yml: lint and the project's tests, then one job per supported cell 
 session, then its test session). upgrade.yml: daily, the upgrade scan, then one upgrade check
 per release it lists as unchecked, its report uploaded; a proposed experimental cell becomes a
 pull request, a release that cannot be proposed or whose proposed cell fails its proofs an issue
-(ci/hosting.py), and the job then fails, so the scheduled run is red.
+(ci/hosting.py), and the job then fails, so the scheduled run is red. soak.yml: nightly, the
+hour-long soak (`nox -s soak`), its report uploaded.
 
 Only `supported` cells get pull-request jobs: an experimental cell was built and proven by the
 upgrade check that wrote it, and keeping it out means the upgrade's pull request changes no
@@ -36,6 +37,9 @@ FORGE_CACHE = "~/.cache/kvcached-forge"
 RUNNER = "ubuntu-latest"
 UPGRADE_CRON = "17 4 * * *"
 UPGRADE_REPORTS = "reports/upgrade"
+SOAK_CRON = "41 1 * * *"
+SOAK_SECONDS = 3600
+SOAK_REPORTS = "reports/soak"
 
 
 @dataclass(frozen=True)
@@ -449,6 +453,35 @@ def upgrade_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
     }
 
 
+def soak_workflow(sessions: Sequence[Mapping], nox: str) -> dict:
+    """Nightly: the hour-long soak against the README's cell, its report uploaded."""
+    python = project_session(sessions, "tests").get("python") or "3.11"
+    return {
+        "name": "soak",
+        "on": {"schedule": [{"cron": SOAK_CRON}], "workflow_dispatch": {}},
+        "permissions": {"contents": "read"},
+        "concurrency": {"group": "soak", "cancel-in-progress": False},
+        "jobs": {
+            "soak": {
+                "runs-on": RUNNER,
+                "timeout-minutes": 150,
+                "steps": [
+                    *_setup_steps(python, nox, "forge-${{ runner.os }}-tests"),
+                    {"name": f"nox -s soak -- {SOAK_SECONDS}",
+                     "run": f"nox -s soak -- {SOAK_SECONDS}"},
+                    {
+                        "name": "Upload the soak report",
+                        "if": "always()",
+                        "uses": UPLOAD_ARTIFACT,
+                        "with": {"name": "soak-report", "path": SOAK_REPORTS,
+                                 "if-no-files-found": "warn"},
+                    },
+                ],
+            },
+        },
+    }
+
+
 def render(root: Path) -> dict[Path, str]:
     """Workflow path (relative to `root`) -> the text it should have."""
     sessions = nox_sessions(root)
@@ -458,6 +491,7 @@ def render(root: Path) -> dict[Path, str]:
     return {
         WORKFLOWS_DIR / "pull-request.yml": document(pull_request_workflow(sessions, cells, nox)),
         WORKFLOWS_DIR / "upgrade.yml": document(upgrade_workflow(sessions, nox)),
+        WORKFLOWS_DIR / "soak.yml": document(soak_workflow(sessions, nox)),
     }
 
 

@@ -7,12 +7,14 @@ executor starts two tensor-parallel workers from it (gloo on CPU). The patched e
 stock wheel give token-identical greedy output on the shared workload; the KV memory the
 workers themselves report (pages mapped, host memory committed, per rank) grows with the burst,
 agrees with the scheduler's pool and is given back within 2 s of idle; after shutdown no socket,
-job directory or limit record is left.
+job directory or limit record is left. A worker SIGKILLed in the middle of a burst stops the
+engine as it stops the stock one, and leaves no process, socket, job directory or record.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -108,3 +110,34 @@ def test_tensor_parallel_workers_in_processes_match_stock_and_follow_demand(
     assert idle["reserve_pool_bytes"] <= MAX_RESERVED_PAGES * PAGE_ALL_RANKS
     # Only the null page and the capped prefix cache (5 blocks: at most 5 pages) stay in use.
     assert idle["in_use_bytes"] <= (1 + CACHED_TOKENS_CAP // BLOCK_SIZE) * PAGE_ALL_RANKS
+
+
+def _kill_a_worker(python: Path, model: Path, where: Path, hidden: Path,
+                   extra: dict[str, str] | None = None) -> dict[str, Any]:
+    where.mkdir()
+    shm = where / "shm"
+    shm.mkdir()
+    result = where / "result.json"
+    done = subprocess.run([str(python), str(RUNNER), "kill-worker", str(model), str(result),
+                           "--mp-workers", str(TP)], env=engine_env(hidden, shm, extra=extra),
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    data: dict[str, Any] = json.loads(result.read_text())
+    data["shm_left"] = sorted(p.name for p in shm.iterdir())
+    data["job_left"] = job_root(POOL_NAME).exists()
+    data["alive"] = [pid for pid in data["workers"] if os.path.exists(f"/proc/{pid}")]
+    return data
+
+
+def test_a_killed_worker_stops_the_engine_as_stock_and_leaves_nothing(
+        engine_venv: Path, stock_engine_venv: Path, tiny_llama: Path,
+        unloadable_packages_hidden: Path, tmp_path: Path) -> None:
+    hidden = unloadable_packages_hidden
+    stock = _kill_a_worker(stock_engine_venv, tiny_llama, tmp_path / "stock", hidden)
+    elastic = _kill_a_worker(engine_venv, tiny_llama, tmp_path / "elastic", hidden, ELASTIC)
+    # The burst fails the way it fails on the stock engine (vLLM's executor shuts down).
+    assert stock["error"] and elastic["error"]
+    assert elastic["error"].split(":")[0] == stock["error"].split(":")[0]
+    # Nothing of the job outlives the engine: no worker, limit record, socket or directory.
+    assert elastic["alive"] == [] and elastic["shm_left"] == []
+    assert not elastic["job_left"], "a killed job's sockets outlived the engine"

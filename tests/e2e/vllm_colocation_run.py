@@ -2,10 +2,11 @@
 
 Engine side (run with the engine venv's python):
 
-    python vllm_colocation_run.py MODEL_DIR
+    python vllm_colocation_run.py MODEL_DIR [--tp N]
 
-The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) with the
-`vllm_cpu_run.py` engine settings; its KV pool joins whatever `KVCACHED_BUDGET` names. It reads
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; the uni executor, or with
+`--tp N` the mp executor and N tensor-parallel worker processes) with the `vllm_cpu_run.py`
+engine settings; its KV pool joins whatever `KVCACHED_BUDGET` names. It reads
 one JSON command per line on stdin and answers each with one line on stdout that starts with
 `REPLY_MARK` (vLLM writes its own logs to the same streams):
 
@@ -13,8 +14,12 @@ one JSON command per line on stdin and answers each with one line on stdout that
         -> {"outputs": [[ids], ...], "failed": k, "errors": [...], "seconds": s,
             "generated_tokens": t, "preemptions": p}
     {"cmd": "state"} -> {"mapped_bytes": b, "charged_bytes": c, "committed_bytes": h,
-                         "limit_bytes": l, "pid": pid}
+                         "limit_bytes": l, "pid": pid, "page_bytes": one ledger page,
+                         "workers": [pids]}
     {"cmd": "quit"}  -> {"bye": true}
+
+(`committed_bytes`: the host memory the KV tensors commit, summed over the workers' own
+reports with `--tp`.)
 
 While no command is pending the engine is idle, and an idle engine runs no scheduler step. A
 shared limit (`kvctl limit`) is applied by the pool on its next allocation, so every
@@ -46,19 +51,15 @@ from typing import IO, Any
 
 if __package__:  # imported on the host, as part of the test package
     from .vllm_cpu_run import (
-        BLOCK_SIZE,
-        KV_CACHE_BYTES,
-        MAX_MODEL_LEN,
-        MAX_NUM_SEQS,
+        engine_kwargs,
         metric_totals,
+        worker_pids,
     )
 else:  # run as a script inside the engine venv
     from vllm_cpu_run import (
-        BLOCK_SIZE,
-        KV_CACHE_BYTES,
-        MAX_MODEL_LEN,
-        MAX_NUM_SEQS,
+        engine_kwargs,
         metric_totals,
+        worker_pids,
     )
 
 REPLY_MARK = "@@colocation "
@@ -74,7 +75,7 @@ def engine_pool() -> Any:
     from kvcached_core.integration.vllm import engine_pools
 
     (found,) = engine_pools()
-    return found.pool
+    return found
 
 
 def burst(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -105,26 +106,31 @@ def burst(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
     }
 
 
-def state(pool: Any) -> dict[str, Any]:
+def state(engine: Any, workers: list[int]) -> dict[str, Any]:
     """What the pool holds and charges, and the limit it applies now (a `kvctl limit` counts
     only once the pool has picked it up)."""
+    pool = engine.pool
     backend = pool.backend
     charged = int(backend.charged_bytes()) if hasattr(backend, "charged_bytes") else -1
     limit = int(pool.snapshot().target_pages) * int(pool.geometry.page_bytes_all_layers)
-    committed = int(backend.committed_bytes()) if hasattr(backend, "committed_bytes") else -1
+    if engine.mapper is not None:  # the tensors are in the worker processes
+        committed = sum(int(s.resident_bytes or 0) for s in engine.mapper.worker_states())
+    else:
+        committed = int(backend.committed_bytes()) if hasattr(backend, "committed_bytes") \
+            else -1
     return {"mapped_bytes": int(pool.mapped_bytes()), "charged_bytes": charged,
-            "committed_bytes": committed, "limit_bytes": limit, "pid": os.getpid()}
+            "committed_bytes": committed, "limit_bytes": limit, "pid": os.getpid(),
+            "page_bytes": int(pool.geometry.page_bytes_all_layers), "workers": workers}
 
 
-def serve(model: Path) -> None:
+def serve(model: Path, tp: int) -> None:
     from vllm import LLM
 
-    llm = LLM(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-              block_size=BLOCK_SIZE, enforce_eager=True, distributed_executor_backend="uni",
-              kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True, seed=0,
-              disable_log_stats=False)
-    pool = engine_pool()
-    reply({"ready": True, **state(pool)})
+    llm = LLM(**engine_kwargs(model, tp))
+    engine = engine_pool()
+    pool = engine.pool
+    workers = worker_pids() if tp > 1 else []
+    reply({"ready": True, **state(engine, workers)})
     while True:
         readable, _, _ = select.select([sys.stdin], [], [], IDLE_TICK_S)
         if not readable:
@@ -137,7 +143,7 @@ def serve(model: Path) -> None:
         if command["cmd"] == "burst":
             reply(burst(llm, command["prompts"], int(command["max_tokens"])))
         elif command["cmd"] == "state":
-            reply(state(pool))
+            reply(state(engine, workers))
         elif command["cmd"] == "quit":
             reply({"bye": True})
             return
@@ -154,11 +160,12 @@ class EngineProcess:
     """One engine process running `serve`, and the line protocol to it."""
 
     def __init__(self, label: str, python: Path, model: Path, env: dict[str, str],
-                 log_path: Path) -> None:
+                 log_path: Path, tp: int = 1) -> None:
         self.label = label
         self._log = log_path.open("w", encoding="utf-8")
         self._process = subprocess.Popen(
-            [str(python), str(RUNNER), str(model)], env=env, stdin=subprocess.PIPE,
+            [str(python), str(RUNNER), str(model), "--tp", str(tp)], env=env,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._tail: collections.deque[str] = collections.deque(maxlen=60)
@@ -364,7 +371,7 @@ class Colocation:
 def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    serve(Path(argv[1]))
+    serve(Path(argv[1]), int(argv[argv.index("--tp") + 1]) if "--tp" in argv else 1)
     return 0
 
 

@@ -17,9 +17,11 @@ its workload constants only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -158,17 +160,24 @@ def metric_totals(llm: Any) -> dict[str, float]:
     return totals
 
 
+def engine_kwargs(model: Path, mp_workers: int = 0) -> dict[str, Any]:
+    """`vllm.LLM` arguments of every CPU engine run: the uni executor, or the mp executor with
+    `mp_workers` tensor-parallel worker processes."""
+    executor: dict[str, Any] = {"distributed_executor_backend": "mp",
+                                "tensor_parallel_size": mp_workers} \
+        if mp_workers > 1 else {"distributed_executor_backend": "uni"}
+    return dict(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                block_size=BLOCK_SIZE, enforce_eager=True, **executor,
+                kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True, seed=0,
+                disable_log_stats=False)
+
+
 def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool,
              mp_workers: int = 0) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    executor = {"distributed_executor_backend": "mp", "tensor_parallel_size": mp_workers} \
-        if mp_workers else {"distributed_executor_backend": "uni"}
-    llm = LLM(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-              block_size=BLOCK_SIZE, enforce_eager=True, **executor,
-              kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True, seed=0,
-              disable_log_stats=False)
+    llm = LLM(**engine_kwargs(model, mp_workers))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()]
     read = kv_memory_reader()
@@ -216,6 +225,41 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
     result_path.write_text(json.dumps(result))
 
 
+def worker_pids() -> list[int]:
+    """This process's tensor-parallel worker processes (vLLM titles them VLLM::Worker_TP<r>)."""
+    me = os.getpid()
+    children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+    found = []
+    for pid in map(int, children):
+        with contextlib.suppress(OSError):
+            if b"Worker_TP" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def kill_worker(model: Path, result_path: Path, mp_workers: int) -> None:
+    """A tensor-parallel worker SIGKILLed in the middle of a burst: what the engine reports."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(model, mp_workers))
+    workers = worker_pids()
+    victim = workers[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()]
+    killer = threading.Timer(0.5, os.kill, args=(victim, signal.SIGKILL))
+    killer.start()
+    error = ""
+    started = time.monotonic()
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    except Exception as exc:  # what a user of the dead engine sees
+        error = f"{type(exc).__name__}: {exc}"
+    result = {"workers": workers, "victim": victim, "error": error,
+              "seconds": time.monotonic() - started}
+    result_path.write_text(json.dumps(result))
+
+
 def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -227,6 +271,9 @@ def main(argv: list[str]) -> int:
         mp_workers = int(argv[argv.index("--mp-workers") + 1]) if "--mp-workers" in argv else 0
         generate(Path(argv[2]), Path(argv[3]), rounds,
                  sample_memory="--no-memory-sampling" not in argv, mp_workers=mp_workers)
+        return 0
+    if argv[1] == "kill-worker":
+        kill_worker(Path(argv[2]), Path(argv[3]), int(argv[argv.index("--mp-workers") + 1]))
         return 0
     raise SystemExit(f"unknown command {argv[1]!r}")
 

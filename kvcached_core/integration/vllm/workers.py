@@ -15,6 +15,8 @@ The coordinator-worker protocol (`kvcached_core.ipc`) joins them:
    metrics, `kvctl limit` and release epochs of a local pool.
 4. On shutdown the scheduler closes its pool and the coordinator and withdraws the job
    (`withdraw_job`): the announcement, sockets left by killed workers and the directories go.
+   A worker that still serves then (vLLM's executor kills the survivors after a worker died,
+   without waiting) is given a bounded time to go, and its files are removed.
 
 Which engine a worker belongs to: the job whose announcing process is an ancestor of the worker.
 vLLM's executor starts its workers from the EngineCore process (its parent; a forkserver puts
@@ -32,6 +34,7 @@ import logging
 import multiprocessing.util
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -164,6 +167,18 @@ def withdraw_job(pool: str) -> None:
     if job is None or job.coordinator_pid != os.getpid():
         return
     _remove_job_files(job)
+    # A worker that still serves removes its own socket when it exits, unless it is killed:
+    # after one worker died, vLLM's executor SIGKILLs the survivors and does not wait for them
+    # (the scheduler's process can reach its exit first). Wait a bounded time for such a
+    # socket to go quiet, then remove what is left.
+    deadline = time.monotonic() + SURVIVOR_EXIT_WAIT_S
+    while job.root.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _remove_job_files(job)
+
+
+#: How long `withdraw_job` waits for a surviving worker's socket to go quiet.
+SURVIVOR_EXIT_WAIT_S = 10.0
 
 
 def _remove_job_files(job: JobDescription) -> None:

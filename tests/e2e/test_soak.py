@@ -1,0 +1,45 @@
+"""The soak, short: `benchmarks/soak.py` for two and a half minutes, every fault at least once.
+
+Two patched vLLM CPU engines under one budget (B with two tensor-parallel worker processes),
+random bursts and idle gaps, `kvctl limit` changed under load, an engine or one of B's workers
+killed with SIGKILL mid-burst and the engine started again, a limit record corrupted on disk
+(`benchmarks/soak.py` says what each check is). The scheduled workflow runs the same program
+for an hour; this run keeps the program itself working in every landing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.proof_cells import ROOT
+
+# `nox -s soak -- SECONDS` (the scheduled workflow) sets these: the long run, its report kept.
+DURATION_S = float(os.environ.get("KVCACHED_SOAK_SECONDS", "150"))
+OUT_DIR = os.environ.get("KVCACHED_SOAK_OUT")
+KILL_EVERY_S = 45 if DURATION_S < 600 else 300  # at least two kills in the short run
+CORRUPT_EVERY_S = 40 if DURATION_S < 600 else 120
+
+
+def test_soak(engine_venv: Path, tmp_path: Path) -> None:
+    out = Path(OUT_DIR) if OUT_DIR else tmp_path / "out"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--engine-python",
+         str(engine_venv), "--duration", str(DURATION_S), "--kill-every", str(KILL_EVERY_S),
+         "--corrupt-every", str(CORRUPT_EVERY_S), "--seed", "1", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=DURATION_S + 900)
+    summary = json.loads((out / "soak.json").read_text())
+    assert run.returncode == 0 and summary["failures"] == [], (
+        summary["failures"], run.stdout[-3000:], run.stderr[-3000:])
+    # Every fault happened and the engines served between them.
+    assert summary["kills"] >= 2 and summary["corruptions"] >= 2
+    assert summary["worker_kills"] >= 1  # every other kill is one of B's two TP workers
+    assert summary["limit_changes"] >= 1
+    assert summary["engine_starts"] == 2 + summary["kills"]
+    assert summary["requests"] > 100
+    assert 0 < summary["peak_charged_over_budget"] <= 1.0
+    assert (out / "soak_timeline.csv").stat().st_size > 0
