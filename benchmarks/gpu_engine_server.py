@@ -74,7 +74,8 @@ def _device_used() -> float | None:
     return float(total - free)
 
 
-def _engine_pool() -> Any:
+def engine_pool() -> Any:
+    """The patched engine's kvcached pool in this process, or None (stock wheel, elastic off)."""
     try:
         from kvcached_core.integration.vllm import engine_pools
     except ImportError:
@@ -96,7 +97,7 @@ def serve(args: argparse.Namespace) -> int:
     except Exception as exc:  # the parent counts engines that did not start, and why
         _emit({"event": "start_failed", "error": f"{type(exc).__name__}: {exc}"[:2000]})
         return 3
-    pool = _engine_pool()
+    pool = engine_pool()
     vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
     prompt_set = PromptSet(args.prompts, args.min_prompt_len, args.max_prompt_len)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_set.token_ids(vocab)]

@@ -110,6 +110,18 @@ def _engine_kwargs(family: str) -> dict[str, Any]:
     return kwargs
 
 
+def held_blocks(managers: Any) -> list[int]:
+    """Distinct non-null blocks each KV cache group's manager (vLLM's `single_type_managers`)
+    holds now; a block shared by requests through a prefix-cache hit counts once. A dict that
+    changes size under the read raises RuntimeError: the caller reads again."""
+    counts = []
+    for manager in managers:
+        held = {block.block_id for blocks in list(manager.req_to_blocks.values())
+                for block in list(blocks) if not block.is_null}
+        counts.append(len(held))
+    return counts
+
+
 class GroupSampler:
     """The most distinct non-null blocks each KV cache group held at once (a prefix-cache hit
     shares blocks between requests: each counts once)."""
@@ -123,12 +135,7 @@ class GroupSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def held(self) -> list[int]:
-        counts = []
-        for manager in self._managers:
-            held = {block.block_id for blocks in list(manager.req_to_blocks.values())
-                    for block in list(blocks) if not block.is_null}
-            counts.append(len(held))
-        return counts
+        return held_blocks(self._managers)
 
     def _run(self) -> None:
         while not self._stop.is_set():
