@@ -66,7 +66,8 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["soak"], default=False)
 def soak(session: nox.Session) -> None:
     """The soak (`benchmarks/soak.py` through tests/e2e/test_soak.py) for SECONDS (first
-    argument, default 3600) against the README's cell; its report in reports/soak/."""
+    argument, default 3600) against the newest vLLM cell with a CPU engine and the newest
+    SGLang cell; its report in reports/soak/."""
     seconds = session.posargs[0] if session.posargs else "3600"
     session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
     _install_runtime(session)

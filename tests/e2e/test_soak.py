@@ -1,6 +1,7 @@
 """The soak, short: `benchmarks/soak.py` for two and a half minutes, every fault at least once.
 
-Two patched vLLM CPU engines under one budget (B with two tensor-parallel worker processes),
+Two patched vLLM CPU engines (B with two tensor-parallel worker processes) and, where an SGLang
+cell is selected (the newest one by default), a patched SGLang CPU engine, under one budget:
 random bursts and idle gaps, `kvctl limit` changed under load, an engine or one of B's workers
 killed with SIGKILL mid-burst and the engine started again, a limit record corrupted on disk
 (`benchmarks/soak.py` says what each check is). The scheduled workflow runs the same program
@@ -15,7 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.proof_cells import ROOT
+import pytest
+from packaging.version import Version
+
+from tests.proof_cells import ROOT, heavy_cells, selected_cells
+from tests.sglang.envs import patched_venv_for
 
 # `nox -s soak -- SECONDS` (the scheduled workflow) sets these: the long run, its report kept.
 DURATION_S = float(os.environ.get("KVCACHED_SOAK_SECONDS", "150"))
@@ -24,13 +29,27 @@ KILL_EVERY_S = 45 if DURATION_S < 600 else 300  # at least two kills in the shor
 CORRUPT_EVERY_S = 40 if DURATION_S < 600 else 120
 
 
-def test_soak(engine_venv: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="session")
+def sglang_python(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """The patched SGLang venv of the newest SGLang cell that `--cell` and `--heavy` select
+    (the same venv tests/sglang proves), or None when none is selected (`verify-vllm-*`)."""
+    cells = heavy_cells(request.config, selected_cells(request.config, "sglang"))
+    if not cells:
+        return None
+    newest = max(cells, key=lambda cell: Version(cell.version))
+    return patched_venv_for(newest, tmp_path_factory).python
+
+
+def test_soak(engine_venv: Path, sglang_python: Path | None, tmp_path: Path) -> None:
     out = Path(OUT_DIR) if OUT_DIR else tmp_path / "out"
     env = dict(os.environ, TMPDIR=str(tmp_path))
+    with_sglang = ["--sglang-python", str(sglang_python)] if sglang_python else []
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--engine-python",
-         str(engine_venv), "--duration", str(DURATION_S), "--kill-every", str(KILL_EVERY_S),
-         "--corrupt-every", str(CORRUPT_EVERY_S), "--seed", "1", "--out", str(out)],
+         str(engine_venv), *with_sglang, "--duration", str(DURATION_S), "--kill-every",
+         str(KILL_EVERY_S), "--corrupt-every", str(CORRUPT_EVERY_S), "--seed", "1", "--out",
+         str(out)],
         capture_output=True, text=True, env=env, timeout=DURATION_S + 900)
     summary = json.loads((out / "soak.json").read_text())
     assert run.returncode == 0 and summary["failures"] == [], (
@@ -39,7 +58,10 @@ def test_soak(engine_venv: Path, tmp_path: Path) -> None:
     assert summary["kills"] >= 2 and summary["corruptions"] >= 2
     assert summary["worker_kills"] >= 1  # every other kill is one of B's two TP workers
     assert summary["limit_changes"] >= 1
-    assert summary["engine_starts"] == 2 + summary["kills"]
+    assert summary["engine_starts"] == len(summary["requests_by_engine"]) + summary["kills"]
     assert summary["requests"] > 100
+    assert all(count > 10 for count in summary["requests_by_engine"].values())
+    assert set(summary["requests_by_engine"]) == ({"a", "b", "c"} if sglang_python else
+                                                  {"a", "b"})
     assert 0 < summary["peak_charged_over_budget"] <= 1.0
     assert (out / "soak_timeline.csv").stat().st_size > 0

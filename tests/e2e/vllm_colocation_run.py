@@ -157,14 +157,16 @@ RUNNER = Path(__file__).resolve()
 
 
 class EngineProcess:
-    """One engine process running `serve`, and the line protocol to it."""
+    """One engine process running `serve` (or `runner`, another engine's program that speaks
+    the same protocol: tests/sglang/inside/serve_engine.py), and the line protocol to it."""
 
     def __init__(self, label: str, python: Path, model: Path, env: dict[str, str],
-                 log_path: Path, tp: int = 1) -> None:
+                 log_path: Path, tp: int = 1, runner: Path = RUNNER) -> None:
         self.label = label
         self._log = log_path.open("w", encoding="utf-8")
         self._process = subprocess.Popen(
-            [str(python), str(RUNNER), str(model), "--tp", str(tp)], env=env,
+            [str(python), str(runner), str(model), *(["--tp", str(tp)] if tp > 1 else [])],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -230,6 +232,8 @@ class MemoryTimeline:
 
     Each sample: seconds since start, mapped bytes per pool, the budget's capacity, and the
     bytes its live members charge, per pid. Events (label, seconds) mark what the caller did.
+    A pool ending in `*` is every live pool whose name starts so, summed: an engine that names
+    its pools itself (SGLang's `sglang-<kind>-<pid>-<n>`, new names at every restart).
     """
 
     pools: list[str]
@@ -261,10 +265,20 @@ class MemoryTimeline:
 
     def sample(self) -> dict[str, Any]:
         from kvcached_core.budget import read_budget
-        from kvcached_core.limits import CorruptRecordError, UnknownPoolError, read_record
+        from kvcached_core.limits import (
+            CorruptRecordError,
+            UnknownPoolError,
+            read_record,
+            scan_records,
+        )
 
         row: dict[str, Any] = {"t": self.now()}
         for pool in self.pools:
+            if pool.endswith("*"):
+                records, _ = scan_records(self.directory)
+                row[pool] = sum(r.used_bytes + r.reserved_bytes for r in records
+                                if r.pool.startswith(pool[:-1]) and not r.stale)
+                continue
             try:
                 record = read_record(pool, self.directory)
                 row[pool] = record.used_bytes + record.reserved_bytes

@@ -14,10 +14,9 @@ import pytest
 
 from forge.matrix import Cell
 from forge.transforms import select_transforms
-from tests.proof_cells import proof_of, proof_registry, record_result
-
-from ._venv import EngineVenv
-from .conftest import INSIDE, ROOT, engine_env
+from tests.proof_cells import ROOT, proof_of, proof_registry, record_result
+from tests.sglang._venv import EngineVenv
+from tests.sglang.envs import INSIDE, engine_env
 
 
 def test_patched_mem_cache_contract(cell: Cell, patched_venv: EngineVenv,

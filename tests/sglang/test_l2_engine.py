@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ._venv import EngineVenv
-from .conftest import INSIDE, engine_env
+from tests.sglang._venv import EngineVenv
+from tests.sglang.envs import INSIDE, engine_env
 
 PAGE = 4096
 BUFFERS_PER_PAGE = 2 * 2  # 2 layers x (K, V): bytes one ledger page maps

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 PARAMS = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -50,6 +51,14 @@ class KVSampler:
         self._thread.join()
 
 
+def engine_kwargs(model: str) -> dict[str, Any]:
+    """The CPU engine every SGLang L2 proof and the soak run: torch-native attention, no CUDA
+    graphs, a fixed seed, 4,096 KV tokens (elastic: virtual, mapped as used)."""
+    return {"model_path": model, "device": "cpu", "attention_backend": "torch_native",
+            "disable_cuda_graph": True, "max_total_tokens": 4096, "log_level": "error",
+            "skip_server_warmup": True, "random_seed": 0}
+
+
 def main(model: str, out: str) -> None:
     import sglang
 
@@ -58,11 +67,7 @@ def main(model: str, out: str) -> None:
     # is scheduled before or after one of them finishes must not change what it finds cached.
     burst = [" ".join(f"w{(100 + 7 * i + j) % 250}" for j in range(24)) for i in range(6)]
     burst += [f"{shared} w{100 + i} w{120 + i}" for i in range(4)]
-    engine = sglang.Engine(
-        model_path=model, device="cpu", attention_backend="torch_native",
-        disable_cuda_graph=True, max_total_tokens=4096, log_level="error",
-        skip_server_warmup=True, random_seed=0,
-    )
+    engine = sglang.Engine(**engine_kwargs(model))
     try:
         asyncio.get_event_loop()
     except RuntimeError:
