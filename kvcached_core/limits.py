@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,14 @@ RECORD_PREFIX = "kvcached."
 _RECORD = struct.Struct("<8sIIqqqQqq")
 RECORD_SIZE = _RECORD.size
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+# After the record, its owner keeps a trailer for observers (`kvtop`): the engine the pool
+# serves and how its reserve served new pages. Every reader of the record reads RECORD_SIZE
+# bytes only, so the trailer changes nothing for them, and a record rewritten after corruption
+# has none until the owner's next usage update. magic, reserve hits, reserve misses, label
+# length, then the UTF-8 label.
+_ABOUT = struct.Struct("<8sqqH")
+ABOUT_MAGIC = b"KVCABOUT"
+MAX_LABEL_BYTES = 128
 # Where the owner pid sits in a record (after magic, version, flags and four 8-byte fields).
 _OWNER_PID = struct.Struct("<q")
 _OWNER_PID_OFFSET = 8 + 4 + 4 + 4 * 8
@@ -142,6 +151,58 @@ def _locked(path: Path, *, write: bool) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)  # closing drops the lock
+
+
+@dataclass(frozen=True)
+class PoolAbout:
+    """A record's trailer: `engine` ("vllm 0.32.0", "" when the owner runs no engine) and the
+    reserve's hits and misses (new pages served mapped, or mapped on the allocation path)."""
+
+    engine: str
+    reserve_hits: int
+    reserve_misses: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        served = self.reserve_hits + self.reserve_misses
+        return self.reserve_hits / served if served else None
+
+    def pack(self) -> bytes:
+        label = self.engine.encode()[:MAX_LABEL_BYTES]
+        return _ABOUT.pack(ABOUT_MAGIC, self.reserve_hits, self.reserve_misses,
+                           len(label)) + label
+
+    @classmethod
+    def unpack(cls, data: bytes) -> PoolAbout | None:
+        """The trailer in the bytes after a record, or None (absent, or not yet rewritten)."""
+        if len(data) < _ABOUT.size:
+            return None
+        magic, hits, misses, length = _ABOUT.unpack(data[:_ABOUT.size])
+        label = data[_ABOUT.size:_ABOUT.size + length]
+        if magic != ABOUT_MAGIC or length > MAX_LABEL_BYTES or len(label) != length:
+            return None
+        return cls(label.decode(errors="replace"), hits, misses)
+
+
+def engine_of_this_process() -> str:
+    """The serving engine this process has imported, with its version ("" when none).
+
+    SGLang first: some of its releases import vLLM's kernels on their CPU path."""
+    for module in ("sglang", "vllm"):
+        found = sys.modules.get(module)
+        if found is not None:
+            return f"{module} {getattr(found, '__version__', 'unknown')}"
+    return ""
+
+
+def read_about(pool: str, directory: str | os.PathLike[str] | None = None) -> PoolAbout | None:
+    """The trailer of a pool's record, or None (no record, or no trailer yet)."""
+    try:
+        with _locked(record_path(pool, directory), write=False) as fd:
+            data = os.pread(fd, RECORD_SIZE + _ABOUT.size + MAX_LABEL_BYTES, 0)
+    except UnknownPoolError:
+        return None
+    return PoolAbout.unpack(data[RECORD_SIZE:])
 
 
 def _pool_of(path: Path) -> str:
@@ -340,10 +401,12 @@ class LimitSegment:
     """
 
     def __init__(
-        self, pool: str, path: Path, fd: int, inode: tuple[int, int], record: LimitRecord
+        self, pool: str, path: Path, fd: int, inode: tuple[int, int], record: LimitRecord,
+        engine: str = "",
     ) -> None:
         self.pool = pool
         self.path = path
+        self.engine = engine
         self._fd = fd
         self._inode = inode
         self._lock = threading.Lock()
@@ -358,8 +421,11 @@ class LimitSegment:
         capacity_bytes: int,
         limit_bytes: int | None = None,
         directory: str | os.PathLike[str] | None = None,
+        engine: str | None = None,
     ) -> LimitSegment:
-        """Create the record exclusively; a stale record of the same name is replaced."""
+        """Create the record exclusively; a stale record of the same name is replaced.
+        `engine` labels the trailer (default: the engine this process imported)."""
+        label = engine_of_this_process() if engine is None else engine
         path = record_path(pool, directory)
         path.parent.mkdir(parents=True, exist_ok=True)
         limit = capacity_bytes if limit_bytes is None else min(limit_bytes, capacity_bytes)
@@ -382,14 +448,14 @@ class LimitSegment:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                os.pwrite(fd, record.pack(), 0)
+                os.pwrite(fd, record.pack() + PoolAbout(label, 0, 0).pack(), 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 stat = os.fstat(fd)
             except BaseException:
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            return cls(pool, path, fd, (stat.st_dev, stat.st_ino), record)
+            return cls(pool, path, fd, (stat.st_dev, stat.st_ino), record, label)
         raise KVCachedConfigError(f"could not create limit record {path}")
 
     def read(self) -> LimitRecord:
@@ -409,8 +475,11 @@ class LimitSegment:
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def update_usage(self, used_bytes: int, reserved_bytes: int) -> None:
-        """Publish mapped bytes (called when pages change, not per block)."""
+    def update_usage(self, used_bytes: int, reserved_bytes: int, reserve_hits: int = 0,
+                     reserve_misses: int = 0) -> None:
+        """Publish mapped bytes and the reserve's counters (called when pages change, not per
+        block)."""
+        about = PoolAbout(self.engine, reserve_hits, reserve_misses)
         with self._lock:
             if self._closed:
                 return
@@ -418,7 +487,7 @@ class LimitSegment:
             try:
                 current = self._read_or_recover_locked()
                 updated = replace(current, used_bytes=used_bytes, reserved_bytes=reserved_bytes)
-                os.pwrite(self._fd, updated.pack(), 0)
+                os.pwrite(self._fd, updated.pack() + about.pack(), 0)
                 self._last = updated
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -453,7 +453,9 @@ class KVPool:
         self._published_pages = pages
         page_bytes = self.geometry.page_bytes_all_layers
         with contextlib.suppress(OSError):
-            self._segment.update_usage(pages[0] * page_bytes, pages[1] * page_bytes)
+            self._segment.update_usage(pages[0] * page_bytes, pages[1] * page_bytes,
+                                       int(allocator.reserve_hits),
+                                       int(allocator.reserve_misses))
 
     def _publish_usage_if_changed(self) -> None:
         """From the limit watcher: the reserve refill maps pages no allocation reports."""

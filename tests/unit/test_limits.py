@@ -19,11 +19,13 @@ from kvcached_core.limits import (
     CorruptRecordError,
     LimitSegment,
     LimitWatcher,
+    PoolAbout,
     StaleRevisionError,
     UnknownPoolError,
     collect_stale,
     delete_record,
     list_records,
+    read_about,
     read_record,
     record_path,
     set_limit,
@@ -45,8 +47,10 @@ def test_create_writes_fixed_binary_record_with_owner_and_mode_0600(tmp_path: Pa
     assert path.exists()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     raw = path.read_bytes()
-    assert len(raw) == RECORD_SIZE == 64
+    assert RECORD_SIZE == 64
     assert raw[:8] == MAGIC
+    # The trailer after the record: the engine this process imported (none here), no pages yet.
+    assert PoolAbout.unpack(raw[RECORD_SIZE:]) == PoolAbout("", 0, 0)
     record = read_record("llama", tmp_path)
     assert record.limit_bytes == record.capacity_bytes == 8 * GIB
     assert record.owner_pid == os.getpid()
@@ -221,3 +225,31 @@ def test_the_owner_rewrites_its_truncated_record_from_what_it_last_knew(
     assert (record.capacity_bytes, record.owner_pid, record.revision) == (4 * GIB, os.getpid(), 2)
     assert len([r for r in caplog.records if "was corrupt" in r.getMessage()]) == 1
     segment.close()
+
+
+def test_the_trailer_says_the_engine_and_follows_the_reserve_counters(tmp_path: Path) -> None:
+    segment = LimitSegment.create("vllm-demo", capacity_bytes=GIB, directory=tmp_path,
+                                  engine="vllm 0.32.0")
+    assert read_about("vllm-demo", tmp_path) == PoolAbout("vllm 0.32.0", 0, 0)
+    assert PoolAbout("x", 0, 0).hit_rate is None
+    segment.update_usage(3 << 20, 1 << 20, 9, 1)
+    about = read_about("vllm-demo", tmp_path)
+    assert about == PoolAbout("vllm 0.32.0", 9, 1) and about.hit_rate == 0.9
+    # Garbage over the file: the owner's next update rewrites the record and its trailer.
+    (tmp_path / "kvcached.vllm-demo").write_bytes(b"garbage" * 30)
+    assert read_about("vllm-demo", tmp_path) is None
+    segment.update_usage(3 << 20, 0, 10, 1)
+    assert read_record("vllm-demo", tmp_path).used_bytes == 3 << 20
+    assert read_about("vllm-demo", tmp_path) == PoolAbout("vllm 0.32.0", 10, 1)
+    segment.close()
+    assert read_about("vllm-demo", tmp_path) is None
+
+
+def test_the_engine_label_names_the_engine_module_a_process_imported() -> None:
+    code = ("import sys, types; from kvcached_core.limits import engine_of_this_process as e\n"
+            "print(repr(e()))\n"
+            "sys.modules['vllm'] = types.SimpleNamespace(__version__='0.32.0'); print(e())\n"
+            "sys.modules['sglang'] = types.SimpleNamespace(__version__='0.5.23'); print(e())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["''", "vllm 0.32.0", "sglang 0.5.23"]

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.kvctl import main as kvctl_main
-from kvcached_core.limits import CorruptRecordError, read_record, record_path
+from kvcached_core.limits import CorruptRecordError, read_about, read_record, record_path
 from kvcached_core.native import as_tensor
 from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 from kvcached_core.settings import KVCachedSettings
@@ -278,7 +278,9 @@ def test_a_truncated_limit_record_is_rewritten_by_its_owner_which_keeps_watching
         assert record.used_bytes == 3 * page_all
         assert record.capacity_bytes == 16 * page_all
         assert record.owner_pid == os.getpid() and record.revision >= 2
-        assert path.stat().st_size == len(record.pack())
+        about = read_about("trunc", shm)  # and its trailer, nothing of the old bytes after it
+        assert about is not None and about.engine == ""
+        assert path.stat().st_size == len(record.pack()) + len(about.pack())
         time.sleep(0.3)  # a few more polls: the recovery is reported once, not per poll
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert len(warnings) == 1, warnings
@@ -484,3 +486,23 @@ def test_a_pool_no_larger_than_its_reserve_starts_while_the_refill_runs(shm: Pat
             made.free(blocks)
         finally:
             made.close()
+
+
+def test_the_record_trailer_carries_the_reserve_counters_kvtop_shows(shm: Path) -> None:
+    with make_pool("about", min_reserve_pages=1, max_reserve_pages=2) as kv:
+        blocks = kv.alloc(4)
+        kv.free(blocks)
+        blocks = kv.alloc(8)  # pages again: some from the warm reserve
+        deadline = time.monotonic() + 5
+        while True:
+            snapshot = kv.snapshot()
+            about = read_about("about", shm)
+            assert about is not None
+            if (about.reserve_hits, about.reserve_misses) == (snapshot.reserve_hits,
+                                                              snapshot.reserve_misses):
+                break
+            assert time.monotonic() < deadline, (about, snapshot)
+            time.sleep(0.02)
+        assert about.reserve_hits + about.reserve_misses >= 2
+        assert about.hit_rate is not None and 0 <= about.hit_rate <= 1
+        kv.free(blocks)
