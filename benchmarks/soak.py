@@ -159,6 +159,8 @@ class Soak:
             env.update({**SETTINGS, "KVCACHED_PAGE_SIZE": "4K", "KVCACHED_BUDGET": "soak",
                         "KVCACHED_SHM_DIR": str(self.shm),
                         "KVCACHED_SHIM_CALL_LOG": str(self.shm.parent / "shim-calls.log")})
+            if self.extra_pythonpath:  # the checkout's runtime before the venv's
+                env["PYTHONPATH"] = f"{env['PYTHONPATH']}{os.pathsep}{self.extra_pythonpath}"
             engine = EngineProcess(label, python, model, env, log,
                                    runner=INSIDE / "serve_engine.py")
         else:
@@ -472,7 +474,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=int, default=2,
                         help="tensor-parallel size of engine B (1: no worker processes)")
-    parser.add_argument("--core-from-checkout", action="store_true")
+    parser.add_argument("--core-from-checkout", action="store_true",
+                        help="every engine imports kvcached_core from this checkout (its "
+                        "extension built in place), not from its venv")
     parser.add_argument("--out", type=Path, default=HERE / "soak")
     args = parser.parse_args()
     summary = run(args)

@@ -170,6 +170,13 @@ class BlockLedger:
             self._apply_pending_resize()
         return self._available_blocks()
 
+    def mapped_free_blocks(self) -> int:
+        """Blocks an `alloc` can take without mapping a page: free blocks of held pages,
+        set-aside blocks and the warm reserve's pages (no new physical memory, so no budget
+        charge)."""
+        return (self._partial_free + len(self._set_aside)
+                + int(self._allocator.num_reserved) * self.blocks_per_page)
+
     def _available_blocks(self) -> int:
         return (
             self._partial_free

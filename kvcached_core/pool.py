@@ -361,6 +361,19 @@ class KVPool:
         limit `kvctl` published is applied first)."""
         return self.ledger.available_size()
 
+    def available_under_budget(self) -> int:
+        """`available_size()`, and no more than the pool's budget lets it map now: the blocks
+        of pages already mapped plus the pages the budget's free bytes still pay for. Neighbours
+        charge the same budget, so this moves between calls; a scheduler that admits work by it
+        rarely meets a refused page (`available_size()` where the pool has no budget)."""
+        available = self.available_size()
+        free_bytes = getattr(self.backend, "budget_free_bytes", None)
+        if free_bytes is None:
+            return available
+        pages = int(free_bytes()) // self.geometry.page_bytes_all_layers
+        return min(available,
+                   self.ledger.mapped_free_blocks() + pages * self.ledger.blocks_per_page)
+
     @property
     def null_block_id(self) -> int | None:
         return self.ledger.null_block_id

@@ -179,6 +179,27 @@ def test_pool_pages_are_charged_and_refused_once_the_budget_is_spent(shm: Path) 
     assert after.charged_bytes == 0 and after.members == ()
 
 
+def test_what_a_pool_can_take_under_its_budget_follows_its_neighbour(shm: Path) -> None:
+    """`available_under_budget`: the blocks of pages already mapped plus what the budget's free
+    bytes still pay for, the size a scheduler admits work by (SGLang's allocators)."""
+    set_budget("host", 6 * PAGE_ALL_LAYERS)
+    with make_pool("mine", "host", max_reserve_pages=0) as mine, \
+            make_pool("neighbour", "host", max_reserve_pages=0) as neighbour:
+        # Each has mapped its null block's page: 4 pages of the budget are left.
+        assert mine.available_under_budget() == BLOCKS_PER_PAGE - 1 + 4 * BLOCKS_PER_PAGE
+        held = fill(neighbour)
+        # The neighbour spent the budget: only the free blocks of my mapped page are left,
+        # though my own limit would let me map many more pages.
+        assert mine.available_under_budget() == BLOCKS_PER_PAGE - 1 < mine.available_size()
+        assert mine.alloc(BLOCKS_PER_PAGE - 1)
+        with pytest.raises(PoolExhausted):
+            mine.alloc(1)
+        neighbour.free(held)
+        assert mine.available_under_budget() == 4 * BLOCKS_PER_PAGE
+    with make_pool("alone", None) as alone:
+        assert alone.available_under_budget() == alone.available_size()
+
+
 def test_two_pools_of_one_process_share_its_slot(shm: Path) -> None:
     set_budget("host", 4 * PAGE_ALL_LAYERS)
     with make_pool("a", "host") as first, make_pool("b", "host") as second:

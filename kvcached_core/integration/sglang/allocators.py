@@ -101,16 +101,19 @@ class _ElasticLedger:
         """SGLang pages a `take` gets now under the pool's physical limit (O(1)).
 
         The least of: the logical free pages; what the pool can hand out now (free blocks of
-        mapped pages, plus the pages the limit still allows) less the ids past SGLang's last
-        page, which SGLang never gets; and the blocks the limit allows less those held (the
-        null block, SGLang's, the parked ones). Negative while the pool holds more than a
-        lowered limit allows: that many pages must be freed before anything is allocatable.
+        mapped pages, plus the pages the limit and the budget's free bytes still allow) less
+        the ids past SGLang's last page, which SGLang never gets; and the blocks the limit
+        allows less those held (the null block, SGLang's, the parked ones). Negative while the
+        pool holds more than a lowered limit allows: that many pages must be freed before
+        anything is allocatable. Without the budget's share, a neighbour that spent the budget
+        would let SGLang admit work whose allocation is then refused: its out-of-memory path.
         """
         pool = self.pool
         parked = len(self.parked)
         logical = self.num_pages - self.held
         beyond = max(0, pool.capacity_blocks - self.limit - parked)
-        now = pool.available_size() - beyond  # applies a limit kvctl published
+        now = min(pool.available_under_budget(),  # applies a limit kvctl published
+                  pool.available_size() - beyond)
         headroom = min(pool.num_blocks - parked, self.limit) - 1 - self.held
         return min(logical, now, headroom)
 

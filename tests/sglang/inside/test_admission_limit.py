@@ -16,7 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HEADS, LAYERS, LIMITED_SLOTS, mapped_pages, paged_tree
+from conftest import (
+    HEADS,
+    LAYERS,
+    LIMITED_SLOTS,
+    make_mha_pool,
+    make_paged_allocator,
+    mapped_pages,
+    paged_tree,
+)
 
 
 @pytest.fixture
@@ -96,3 +104,52 @@ def test_a_limit_lowered_with_kvctl_makes_admission_wait_and_a_raised_one_admits
     kvctl_limit(kv.name, "1G")
     wait_for_allocatable(allocator, 1020)
     assert admit(allocator, tree, 100) is AddReqResult.CONTINUE
+
+
+def test_a_budget_a_neighbour_spent_makes_admission_wait_and_admits_once_it_is_back(
+        scheduler_context, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget shared with another engine: the neighbour's pages leave SGLang's pool only
+    the free slots of the page it has mapped, so a request that needs more waits instead of
+    being admitted and then refused its pages (SGLang's out-of-memory stop)."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from kvcached_core.budget import delete_budget, set_budget
+    from kvcached_core.errors import PoolExhausted
+    from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
+
+    page_all = 4096 * LAYERS * 2  # one kvcached page of the SGLang pool: 2 layers, K and V
+    set_budget("admission", 8 * page_all)
+    monkeypatch.setenv("KVCACHED_BUDGET", "admission")
+    pool = make_mha_pool(1020, page_size=4)
+    allocator = make_paged_allocator(1020, 4, pool)
+    tree = paged_tree(allocator)
+    neighbour = KVPool.create(
+        "admission-neighbour",
+        PoolSpec(num_layers=LAYERS, num_kv_buffers=2, block_bytes=4096, page_size=4096,
+                 virtual_bytes_per_layer=2 * 16 * 4096),
+        PoolPolicy(min_reserve_pages=0, max_reserve_pages=0, budget="admission"),
+        export_metrics=False)
+    try:
+        held: list[int] = []
+        while True:  # the neighbour takes every page the budget still pays for
+            try:
+                held += neighbour.alloc(1)
+            except PoolExhausted:
+                break
+        assert held
+        # Left to SGLang: the 15 free pages of the kvcached page holding its padding page.
+        assert allocator.kvcached_allocatable_size() == LIMITED_SLOTS
+        mapped = mapped_pages(pool)
+        assert admit(allocator, tree, 100) is AddReqResult.NO_TOKEN
+        assert admit(allocator, tree, 36) is AddReqResult.CONTINUE
+        assert allocator.alloc(100) is None  # what admitting it would have run into
+        assert mapped_pages(pool) == mapped
+        neighbour.free(held)  # no reserve: its pages, and their charge, go at once
+        # The budget's 8 pages less SGLang's padding page and the neighbour's null block page:
+        # 6 pages of 16 SGLang pages of 4 slots, beside the 15 free pages of the mapped one.
+        assert allocator.kvcached_allocatable_size() == LIMITED_SLOTS + 6 * 16 * 4
+        assert admit(allocator, tree, 100) is AddReqResult.CONTINUE
+    finally:
+        neighbour.close()
+        pool.kvcached_pool.close()
+        delete_budget("admission", force=True)
