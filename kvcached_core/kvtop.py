@@ -55,7 +55,7 @@ class PoolView:
     limit_bytes: int | None
     capacity_bytes: int | None
     budget: str | None
-    charged_bytes: int | None  # the owner process's charge to its budget
+    charged_bytes: int | None  # the owner's charge to its budget, or its workers' together
     reserve_hit_rate: float | None
 
 
@@ -109,6 +109,28 @@ def model_of(pid: int) -> str:
     return ""
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    for _ in range(_PARENTS_SEARCHED):
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def _charge_of(pid: int, charges: dict[int, tuple[str, int]]) -> tuple[str | None, int | None]:
+    """The budget and charge of a pool's owner: its own slot, or the sum of its worker
+    processes' slots (a tensor-parallel vLLM engine maps its pages in its workers)."""
+    if pid in charges:
+        return charges[pid]
+    workers = [(name, charged) for member, (name, charged) in charges.items()
+               if _descends_from(member, pid)]
+    if not workers:
+        return None, None
+    return workers[0][0], sum(charged for _, charged in workers)
+
+
 def collect(directory: str | os.PathLike[str] | None = None) -> Screen:
     """Every pool record and budget in the directory, now."""
     base = shm_dir(directory)
@@ -123,7 +145,7 @@ def collect(directory: str | os.PathLike[str] | None = None) -> Screen:
         pid = record.owner_pid
         if pid not in models:
             models[pid] = "" if record.stale else model_of(pid)
-        budget, charged = charges.get(pid, (None, None))
+        budget, charged = (None, None) if record.stale else _charge_of(pid, charges)
         pools.append(PoolView(
             pool=record.pool, state="stale" if record.stale else "live", owner_pid=pid,
             engine=about.engine if about else "", model=models[pid],

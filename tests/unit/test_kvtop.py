@@ -198,3 +198,21 @@ def test_the_live_view_in_a_terminal_follows_the_pool_and_quits_on_q(
         assert (tmp_path / "exit").read_text() == "exited 0\n"
     finally:
         subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True)
+
+
+def test_an_owner_whose_workers_hold_the_pages_is_charged_what_they_are() -> None:
+    """A tensor-parallel vLLM engine's pool lives in the engine process, its pages in its
+    worker processes (the budget's members): kvtop charges the pool their sum."""
+    from kvcached_core.kvtop import _charge_of
+
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+               for _ in range(2)]
+    try:
+        charges = {workers[0].pid: ("demo", 5 * PAGE), workers[1].pid: ("demo", 3 * PAGE)}
+        assert _charge_of(os.getpid(), charges) == ("demo", 8 * PAGE)
+        assert _charge_of(workers[0].pid, charges) == ("demo", 5 * PAGE)
+        assert _charge_of(1, {}) == (None, None)
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
