@@ -133,6 +133,7 @@ class Soak:
 
     pool_names: dict[str, list[str]] = field(default_factory=dict)
     owners: dict[str, int] = field(default_factory=dict)  # SGLang: the process its pools are in
+    unasked_deaths: int = 0
 
     @property
     def labels(self) -> str:
@@ -202,10 +203,19 @@ class Soak:
         return result
 
     def check_idle(self, label: str) -> None:
-        """Within IDLE_BOUND_S of idle: the floor, and the pool agrees with the backend."""
+        """Within IDLE_BOUND_S of idle: the floor, and the pool agrees with the backend. An
+        engine that died unasked is a failure; it is started again so the soak goes on."""
         deadline = time.monotonic() + IDLE_BOUND_S
         while True:
-            state = self.engines[label].request({"cmd": "state"})
+            try:
+                state = self.engines[label].request({"cmd": "state"})
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                self.fail(f"engine {label} died unasked: {str(exc)[-300:]}")
+                self.engines[label].close(timeout_s=5)
+                collect_stale(self.shm)
+                self.start(label)
+                self.unasked_deaths += 1
+                return
             at_floor = state["mapped_bytes"] <= state["page_bytes"]  # the null block's page
             agrees = state.get("committed_bytes", state["mapped_bytes"]) == state["mapped_bytes"]
             if at_floor and agrees:
@@ -408,7 +418,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "worker_kills": sum(1 for c in soak.cycles if c.get("kill") == "worker"),
         "corruptions": sum(1 for c in soak.cycles if "corrupted" in c),
         "limit_changes": sum(1 for c in soak.cycles if "limit" in c),
-        "engine_starts": soak.starts,
+        "engine_starts": soak.starts, "unasked_deaths": soak.unasked_deaths,
         "peak_charged_over_budget": max((r["charged"] for r in timeline.samples), default=0)
         / budget,
         "failures": soak.failures, "cycle_log": soak.cycles,

@@ -26,6 +26,7 @@ never given to SGLang) and handed back as soon as SGLang holds no block at all.
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted, StateConsistencyError
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
     import torch
 
     from kvcached_core.pool import KVPool
+
+#: How long an allocation SGLang admitted waits for a shared budget a neighbour spent, and how
+#: often it looks again (`_ElasticLedger._wait_for_budget`).
+BUDGET_WAIT_S = 10.0
+BUDGET_POLL_S = 0.005
 
 
 class _ElasticLedger:
@@ -66,7 +72,10 @@ class _ElasticLedger:
         try:
             ids = pool.alloc(count)
         except PoolExhausted:
-            return None
+            found = self._wait_for_budget(count)
+            if found is None:
+                return None
+            ids = found
         limit = self.limit
         while ids and max(ids) >= limit:
             usable = [i for i in ids if i < limit]
@@ -79,6 +88,30 @@ class _ElasticLedger:
             ids = usable + more
         self.held += count
         return ids
+
+    def _wait_for_budget(self, count: int) -> list[int] | None:
+        """`count` blocks once a page can be mapped for them again, or None.
+
+        SGLang admitted the work by `allocatable_pages()`, which counted the budget's free
+        bytes; a neighbour charging the same budget (or filling the device) can take them
+        before this allocation, in the same step. SGLang has no way back from a refused
+        allocation (its out-of-memory error stops the engine), and the neighbour gives pages
+        back as its requests finish or are preempted, so the allocation waits for them, up to
+        BUDGET_WAIT_S. Nothing waits where the pool's limit refused: a limit does not move by
+        itself, and SGLang's admission already kept within it."""
+        pool = self.pool
+        if pool.available_size() < count:
+            return None
+        deadline = time.monotonic() + BUDGET_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(BUDGET_POLL_S)
+            if pool.available_under_budget() < count:
+                continue
+            try:
+                return pool.alloc(count)
+            except PoolExhausted:
+                continue
+        return None
 
     def give_back(self, ids: list[int]) -> None:
         if not ids:

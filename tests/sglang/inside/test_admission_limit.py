@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Iterator
@@ -115,6 +116,7 @@ def test_a_budget_a_neighbour_spent_makes_admission_wait_and_admits_once_it_is_b
 
     from kvcached_core.budget import delete_budget, set_budget
     from kvcached_core.errors import PoolExhausted
+    from kvcached_core.integration.sglang import allocators as elastic
     from kvcached_core.pool import KVPool, PoolPolicy, PoolSpec
 
     page_all = 4096 * LAYERS * 2  # one kvcached page of the SGLang pool: 2 layers, K and V
@@ -142,9 +144,19 @@ def test_a_budget_a_neighbour_spent_makes_admission_wait_and_admits_once_it_is_b
         mapped = mapped_pages(pool)
         assert admit(allocator, tree, 100) is AddReqResult.NO_TOKEN
         assert admit(allocator, tree, 36) is AddReqResult.CONTINUE
-        assert allocator.alloc(100) is None  # what admitting it would have run into
+        # Had it been admitted, its allocation would wait for the neighbour's pages (the
+        # neighbour may have taken them in the same step), and fail once the wait ran out.
+        monkeypatch.setattr(elastic, "BUDGET_WAIT_S", 0.2)
+        assert allocator.alloc(100) is None
         assert mapped_pages(pool) == mapped
-        neighbour.free(held)  # no reserve: its pages, and their charge, go at once
+        monkeypatch.setattr(elastic, "BUDGET_WAIT_S", 10.0)
+        freeing = threading.Timer(0.3, neighbour.free, args=(held,))
+        freeing.start()  # no reserve: its pages, and their charge, go at once
+        started = time.monotonic()
+        got = allocator.alloc(100)
+        assert got is not None and len(got) == 100 and time.monotonic() - started >= 0.25
+        freeing.join()
+        allocator.free(got)
         # The budget's 8 pages less SGLang's padding page and the neighbour's null block page:
         # 6 pages of 16 SGLang pages of 4 slots, beside the 15 free pages of the mapped one.
         assert allocator.kvcached_allocatable_size() == LIMITED_SLOTS + 6 * 16 * 4
