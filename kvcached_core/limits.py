@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import importlib
 import logging
 import os
 import re
@@ -155,7 +156,7 @@ def _locked(path: Path, *, write: bool) -> Iterator[int]:
 
 @dataclass(frozen=True)
 class PoolAbout:
-    """A record's trailer: `engine` ("vllm 0.32.0", "" when the owner runs no engine) and the
+    """A record's trailer: `engine` ("vllm-0.32", "" when the owner runs no engine) and the
     reserve's hits and misses (new pages served mapped, or mapped on the allocation path)."""
 
     engine: str
@@ -185,13 +186,18 @@ class PoolAbout:
 
 
 def engine_of_this_process() -> str:
-    """The serving engine this process has imported, with its version ("" when none).
-
-    SGLang first: some of its releases import vLLM's kernels on their CPU path."""
-    for module in ("sglang", "vllm"):
-        found = sys.modules.get(module)
-        if found is not None:
-            return f"{module} {getattr(found, '__version__', 'unknown')}"
+    """The cell of the patched engine build this process runs ("vllm-0.32"; "" when none): the
+    `CELL` its build wrote into the engine's `_kvcached_build` module, so no version is read
+    here. Looked up only for an engine package already imported; SGLang first, since some of
+    its releases import vLLM's kernels on their CPU path."""
+    for engine in ("sglang", "vllm"):
+        if engine not in sys.modules:
+            continue
+        try:
+            build = importlib.import_module(f"{engine}._kvcached_build")
+        except ImportError:  # the stock engine: no build of ours
+            continue
+        return str(getattr(build, "CELL", engine))
     return ""
 
 

@@ -43,11 +43,13 @@ def user_shell(shm: Path) -> dict[str, str]:
                 KVCACHED_SHM_DIR=str(shm))
 
 # The owner: a process whose command line names a model, as `vllm serve MODEL` does, that has
-# imported an engine module (a stand-in with a version: the label comes from the module), holds
+# imported a patched engine build (stand-ins for its package and the `_kvcached_build` module the
+# build writes, whose cell is the label), holds
 # a pool charged to budget `demo`, and allocates or frees blocks on each line of its input.
 OWNER = """
 import sys, types
-sys.modules["vllm"] = types.SimpleNamespace(__version__="0.32.0")
+sys.modules["vllm"] = types.ModuleType("vllm")
+sys.modules["vllm._kvcached_build"] = types.SimpleNamespace(CELL="vllm-0.32")
 sys.path.insert(0, sys.argv[-1])
 from tests.unit.pool_factory import create_pool
 pool = create_pool("demo-pool", num_layers=2, num_kv_buffers=2, block_bytes=16 << 10,
@@ -112,7 +114,7 @@ def test_once_json_gives_each_pool_its_engine_model_memory_budget_and_hit_rate(
     (view,) = once_json(shm)["pools"]
     assert view["pool"] == "demo-pool" and view["state"] == "live"
     assert view["owner_pid"] == owner.pid
-    assert view["engine"] == "vllm 0.32.0"
+    assert view["engine"] == "vllm-0.32"
     assert view["model"] == MODEL
     assert view["in_use_bytes"] == record.used_bytes > 0
     assert view["reserve_bytes"] == record.reserved_bytes
@@ -182,7 +184,7 @@ def test_the_live_view_in_a_terminal_follows_the_pool_and_quits_on_q(
     try:
         tell(owner, "alloc 4")  # the null block and 4 blocks: 2 pages in use
         mapped = format_size(read_record("demo-pool", shm).used_bytes)
-        screen = _wait_screen(server, "demo-pool", "vllm 0.32.0", MODEL, "q quits", "live")
+        screen = _wait_screen(server, "demo-pool", "vllm-0.32", MODEL, "q quits", "live")
         row = next(line for line in screen.splitlines() if line.startswith("demo-pool"))
         assert mapped in row and "demo" in row
         assert "budget demo:" in screen

@@ -229,27 +229,31 @@ def test_the_owner_rewrites_its_truncated_record_from_what_it_last_knew(
 
 def test_the_trailer_says_the_engine_and_follows_the_reserve_counters(tmp_path: Path) -> None:
     segment = LimitSegment.create("vllm-demo", capacity_bytes=GIB, directory=tmp_path,
-                                  engine="vllm 0.32.0")
-    assert read_about("vllm-demo", tmp_path) == PoolAbout("vllm 0.32.0", 0, 0)
+                                  engine="vllm-0.32")
+    assert read_about("vllm-demo", tmp_path) == PoolAbout("vllm-0.32", 0, 0)
     assert PoolAbout("x", 0, 0).hit_rate is None
     segment.update_usage(3 << 20, 1 << 20, 9, 1)
     about = read_about("vllm-demo", tmp_path)
-    assert about == PoolAbout("vllm 0.32.0", 9, 1) and about.hit_rate == 0.9
+    assert about == PoolAbout("vllm-0.32", 9, 1) and about.hit_rate == 0.9
     # Garbage over the file: the owner's next update rewrites the record and its trailer.
     (tmp_path / "kvcached.vllm-demo").write_bytes(b"garbage" * 30)
     assert read_about("vllm-demo", tmp_path) is None
     segment.update_usage(3 << 20, 0, 10, 1)
     assert read_record("vllm-demo", tmp_path).used_bytes == 3 << 20
-    assert read_about("vllm-demo", tmp_path) == PoolAbout("vllm 0.32.0", 10, 1)
+    assert read_about("vllm-demo", tmp_path) == PoolAbout("vllm-0.32", 10, 1)
     segment.close()
     assert read_about("vllm-demo", tmp_path) is None
 
 
-def test_the_engine_label_names_the_engine_module_a_process_imported() -> None:
+def test_the_engine_label_is_the_cell_the_engine_build_wrote() -> None:
     code = ("import sys, types; from kvcached_core.limits import engine_of_this_process as e\n"
             "print(repr(e()))\n"
-            "sys.modules['vllm'] = types.SimpleNamespace(__version__='0.32.0'); print(e())\n"
-            "sys.modules['sglang'] = types.SimpleNamespace(__version__='0.5.23'); print(e())\n")
+            "sys.modules['vllm'] = types.ModuleType('vllm'); print(repr(e()))\n"
+            "sys.modules['vllm._kvcached_build'] = types.SimpleNamespace(CELL='vllm-0.32')\n"
+            "print(e())\n"
+            "sys.modules['sglang'] = types.ModuleType('sglang')\n"
+            "sys.modules['sglang._kvcached_build'] = types.SimpleNamespace(CELL='sglang-0.5.23')\n"
+            "print(e())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["''", "vllm 0.32.0", "sglang 0.5.23"]
+    assert out == ["''", "''", "vllm-0.32", "sglang-0.5.23"]  # a stock engine: no label
