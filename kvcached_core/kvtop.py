@@ -26,18 +26,17 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TextIO
 
 from kvcached_core.budget import BudgetState, list_budgets
 from kvcached_core.limits import read_about, scan_records, shm_dir
+from kvcached_core.processes import ANCESTORS_SEARCHED, cmdline, descends_from, parent_of
 from kvcached_core.settings import format_size
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 _MODEL_OPTIONS = ("--model", "--model-path", "--model_path")
-_PARENTS_SEARCHED = 4  # the scheduler, its engine process, the server, a launcher
 
 
 @dataclass(frozen=True)
@@ -67,23 +66,6 @@ class Screen:
     budgets: list[BudgetState]
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _parent(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    # The command name (in parentheses) may hold spaces: the fields after it are plain.
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def model_in_command(argv: Sequence[str]) -> str:
     """The model a serving command line names, or ""."""
     for index, word in enumerate(argv):
@@ -99,24 +81,14 @@ def model_in_command(argv: Sequence[str]) -> str:
 
 def model_of(pid: int) -> str:
     """The model named on the command line of `pid` or of its nearest parent that names one."""
-    for _ in range(_PARENTS_SEARCHED):
+    for _ in range(ANCESTORS_SEARCHED):
         if pid <= 1:
             break
-        found = model_in_command(_cmdline(pid))
+        found = model_in_command(cmdline(pid))
         if found:
             return found
-        pid = _parent(pid)
+        pid = parent_of(pid)
     return ""
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    for _ in range(_PARENTS_SEARCHED):
-        pid = _parent(pid)
-        if pid == ancestor:
-            return True
-        if pid <= 1:
-            return False
-    return False
 
 
 def _charge_of(pid: int, charges: dict[int, tuple[str, int]]) -> tuple[str | None, int | None]:
@@ -125,7 +97,7 @@ def _charge_of(pid: int, charges: dict[int, tuple[str, int]]) -> tuple[str | Non
     if pid in charges:
         return charges[pid]
     workers = [(name, charged) for member, (name, charged) in charges.items()
-               if _descends_from(member, pid)]
+               if descends_from(member, pid)]
     if not workers:
         return None, None
     return workers[0][0], sum(charged for _, charged in workers)

@@ -64,7 +64,19 @@ assert {{b.block_id // 4 for b in again}} <= backed, ([b.block_id for b in again
 assert len({{b.block_id for b in again}}) == 6
 bp.free_blocks(again)
 assert bp.release_idle_pages(16) == 1
+# A prefix-cache reset between steps (the router putting an idle engine to sleep) gives the
+# freed blocks' pages back at once, since an idle engine takes no step whose end would; but
+# only once the engine says no batch in flight can still read them.
+held = bp.get_new_blocks(6)
+bp.free_blocks(held)
+in_use = pool.snapshot().in_use_pages
+assert in_use >= 2, pool.snapshot()
+bp._kv_is_drained = lambda: False
 assert bp.reset_prefix_cache()
+assert pool.snapshot().in_use_pages == in_use, pool.snapshot()
+bp._kv_is_drained = lambda: True
+assert bp.reset_prefix_cache()
+assert pool.snapshot().in_use_pages == 1, pool.snapshot()  # the null block's page
 pools.close(pool_name())
 print("OK")
 """

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from forge.index import LocalIndex
 from forge.matrix import load_matrix
@@ -170,3 +171,18 @@ def stock_engine_venv(tmp_path_factory: pytest.TempPathFactory, engine_venv: Pat
                                  cache_dir=default_cache_dir())
     return make_stock_venv(engine_venv, stock_wheel,
                            tmp_path_factory.mktemp(f"stock-venv-{l2_cell}"))
+
+
+@pytest.fixture(scope="session")
+def sglang_python(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """The patched SGLang venv of the newest SGLang cell that `--cell` and `--heavy` select
+    (the same venv tests/sglang proves), or None when none is selected (`verify-vllm-*`): the
+    soak's third engine and the router's SGLang model."""
+    from tests.sglang.envs import patched_venv_for
+
+    cells = heavy_cells(request.config, selected_cells(request.config, "sglang"))
+    if not cells:
+        return None
+    newest = max(cells, key=lambda cell: Version(cell.version))
+    return patched_venv_for(newest, tmp_path_factory).python

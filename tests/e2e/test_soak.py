@@ -16,29 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from packaging.version import Version
-
-from tests.proof_cells import ROOT, heavy_cells, selected_cells
-from tests.sglang.envs import patched_venv_for
+from tests.proof_cells import ROOT
 
 # `nox -s soak -- SECONDS` (the scheduled workflow) sets these: the long run, its report kept.
 DURATION_S = float(os.environ.get("KVCACHED_SOAK_SECONDS", "150"))
 OUT_DIR = os.environ.get("KVCACHED_SOAK_OUT")
 KILL_EVERY_S = 45 if DURATION_S < 600 else 300  # at least two kills in the short run
 CORRUPT_EVERY_S = 40 if DURATION_S < 600 else 120
-
-
-@pytest.fixture(scope="session")
-def sglang_python(request: pytest.FixtureRequest,
-                  tmp_path_factory: pytest.TempPathFactory) -> Path | None:
-    """The patched SGLang venv of the newest SGLang cell that `--cell` and `--heavy` select
-    (the same venv tests/sglang proves), or None when none is selected (`verify-vllm-*`)."""
-    cells = heavy_cells(request.config, selected_cells(request.config, "sglang"))
-    if not cells:
-        return None
-    newest = max(cells, key=lambda cell: Version(cell.version))
-    return patched_venv_for(newest, tmp_path_factory).python
 
 
 def test_soak(engine_venv: Path, sglang_python: Path | None, tmp_path: Path) -> None:

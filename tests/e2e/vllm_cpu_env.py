@@ -108,7 +108,8 @@ def run_engine_script(python: Path, script: Path, args: list[str], result: Path,
     return data
 
 
-def build_tiny_model(python: Path, out: Path, env: dict[str, str]) -> Path:
-    subprocess.run([str(python), str(RUNNER), "model", str(out)], env=env, check=True,
-                   capture_output=True, timeout=300)
+def build_tiny_model(python: Path, out: Path, env: dict[str, str], seed: int = 0) -> Path:
+    """The tiny Llama of `vllm_cpu_run.py`; `seed` draws other weights, same tokenizer."""
+    subprocess.run([str(python), str(RUNNER), "model", str(out), "--seed", str(seed)], env=env,
+                   check=True, capture_output=True, timeout=300)
     return out

@@ -39,13 +39,14 @@ PER_PREFIX = 4
 IDLE_WAIT_S = 2.0
 
 
-def write_tiny_llama(out: Path) -> None:
-    """2 layers, hidden 256, 4 heads (2 KV), BPE vocabulary of 1024, bf16, seed 0, offline."""
+def write_tiny_llama(out: Path, seed: int = 0) -> None:
+    """2 layers, hidden 256, 4 heads (2 KV), BPE vocabulary of 1024, bf16, offline. `seed`
+    draws the weights (the tokenizer is the same for every seed)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(3000)]
@@ -264,7 +265,8 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if argv[1] == "model":
-        write_tiny_llama(Path(argv[2]))
+        write_tiny_llama(Path(argv[2]),
+                         int(argv[argv.index("--seed") + 1]) if "--seed" in argv else 0)
         return 0
     if argv[1] == "generate":
         rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 1

@@ -59,6 +59,11 @@ BASE_PACKAGES: tuple[str, ...] = (
     "xgrammar",
     "pytest",
     "prometheus_client",
+    # What SGLang's HTTP server (`sglang.launch_server`, behind tests/e2e/test_router.py)
+    # imports beyond the engine: its OpenAI routes' schema checks, audio and form parsing.
+    "jsonschema",
+    "soundfile",
+    "python-multipart",
 )
 # Packages only some releases import on the CPU path: installed only for a cell whose
 # `test_pins` names them (0.5.5 and earlier import torchao whenever the model runner starts).

@@ -134,6 +134,9 @@ class ElasticBlockPoolMixin:
         self._kv_release_markers: deque[int] = deque()
         # Tokens per vLLM block, learnt at the first step end (0 until then).
         self._kv_block_tokens = 0
+        # The engine's "no request left and no batch in flight" check, handed over at each
+        # step end: a prefix-cache reset between steps asks it before it unmaps anything.
+        self._kv_is_drained: Callable[[], bool] | None = None
         null_page = engine_pool.pool.null_block_id
         if null_page != 0:
             raise ValueError(f"kvcached pool must hold the null block on page 0, got {null_page}")
@@ -301,7 +304,23 @@ class ElasticBlockPoolMixin:
             self._kv_logical_view = False
         if reset:
             self._kv_dirty.update(self._kv_held)
+            self._release_after_reset()
         return reset
+
+    def _release_after_reset(self) -> None:
+        """A reset succeeds only when no request holds a block, and it comes between steps
+        (an operator's call, or the router putting an idle engine to sleep): an idle engine
+        takes no further step whose end would give the uncached pages back, so they are given
+        back now, once the engine says no batch is in flight that could still read them.
+        Before the first step end nothing was ever handed out, so there is nothing to give."""
+        is_drained = self._kv_is_drained
+        if is_drained is None or not is_drained():
+            return  # the next step end releases them
+        self.release_idle_pages(self._kv_block_tokens)
+        pool = self._kv.pool
+        pool.release_retired_through(pool.capture_release_marker())
+        self._kv_release_markers.clear()
+        pool.trim()
 
     # ------------------------------------------------------------------ release
 
@@ -368,6 +387,7 @@ class ElasticBlockPoolMixin:
         pages hold no block, and the next allocation refills it.
         """
         self._kv_block_tokens = block_tokens
+        self._kv_is_drained = is_drained
         self._kv_mappable_now = None  # a new step: read what the pool can map again
         released = self.release_idle_pages(block_tokens)
         pool = self._kv.pool

@@ -1,0 +1,48 @@
+"""The host's process tree, read from /proc: who owns a pool, and which engine it belongs to.
+
+A pool's record names its owner process. That owner is rarely the process a person started:
+vLLM's engine core and workers, SGLang's scheduler, are children of the server. `kvtop` and the
+router walk up from the owner to find the server (and its command line) a pool belongs to.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The owner, its engine process, the server, a launcher: deeper trees are not engines' own.
+ANCESTORS_SEARCHED = 4
+
+
+def cmdline(pid: int) -> list[str]:
+    """The process's command line, or [] where it is gone or unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def parent_of(pid: int) -> int:
+    """The parent's pid (0 where the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    # The command name (in parentheses) may hold spaces: the fields after it are plain.
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """`pid` is a child (or a grandchild, up to ANCESTORS_SEARCHED levels) of `ancestor`."""
+    for _ in range(ANCESTORS_SEARCHED):
+        pid = parent_of(pid)
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def in_tree_of(pid: int, root: int) -> bool:
+    """`pid` is `root` or descends from it."""
+    return pid == root or descends_from(pid, root)
