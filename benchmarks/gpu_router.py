@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -205,7 +206,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def start(name: str) -> None:
             began = time.monotonic()
-            _post(f"{base}/router/models/{name}/wake")
+            try:
+                _post(f"{base}/router/models/{name}/wake")
+            except urllib.error.HTTPError as exc:  # the router's reason, log tail included
+                raise RuntimeError(f"{name}: {exc.read().decode()[-2000:]}") from exc
             starts[name] = round(time.monotonic() - began, 1)
             print(f"{args.mode}: {name} started in {starts[name]} s", flush=True)
 
