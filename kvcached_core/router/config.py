@@ -17,7 +17,8 @@ A YAML document (`docs/router.md` has a complete example):
         model: /models/llama-8b   # what the engine loads
         device: gpu0
         memory: 18GiB             # what the engine holds awake besides its elastic KV cache
-        sleep: kv                 # kv (default) or stop: what an idle engine gives back
+        sleep: kv                 # kv (default), weights or stop: what an idle engine gives back
+        memory_asleep: 1GiB       # with sleep: weights, what it keeps on the device asleep
         priority: 0               # under pressure, lower priorities sleep or stop first
         args: ["--max-model-len", "8192"]
         env: {VLLM_LOGGING_LEVEL: WARNING}
@@ -40,15 +41,17 @@ from kvcached_core.settings import format_size, parse_size
 ENGINES = ("vllm", "sglang")
 # What an idle engine gives back. `kv`: its KV limit goes to zero, its prefix cache is dropped
 # and its pages (the reserve's too) are unmapped; its weights stay, so waking is a limit write.
-# `stop`: the engine process exits and gives back everything; waking is a fresh start.
-SLEEP_LEVELS = ("kv", "stop")
+# `weights`: that, and vLLM's own sleep mode (level 1) moves the weights to host memory; waking
+# copies them back. `stop`: the engine process exits and gives back everything; waking is a
+# fresh start.
+SLEEP_LEVELS = ("kv", "weights", "stop")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/\-]{0,127}$")
 _DEVICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _TOP_KEYS = {"listen", "log_dir", "shm_dir", "idle_sleep_s", "request_wait_s",
              "start_timeout_s", "devices", "models"}
 _DEVICE_KEYS = {"name", "memory", "cuda_visible_devices"}
 _MODEL_KEYS = {"name", "engine", "python", "model", "device", "memory", "sleep", "priority",
-               "args", "env", "idle_sleep_s"}
+               "args", "env", "idle_sleep_s", "memory_asleep"}
 
 
 class RouterConfigError(KVCachedConfigError):
@@ -82,6 +85,9 @@ class ModelSpec:
     device: str
     memory_bytes: int
     sleep: str = "kv"
+    # What the engine keeps on its device while asleep: all of `memory_bytes` at level kv
+    # (the weights stay), the declared `memory_asleep` at level weights, nothing once stopped.
+    memory_asleep_bytes: int = 0
     priority: int = 0
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
@@ -201,6 +207,23 @@ def _model(index: int, data: Any, base: Path, devices: Mapping[str, DeviceSpec])
     sleep = str(data.get("sleep", "kv"))
     if sleep not in SLEEP_LEVELS:
         raise _fail(f"{where}.sleep", f"must be one of {', '.join(SLEEP_LEVELS)}, got {sleep!r}")
+    if sleep == "weights" and engine != "vllm":
+        raise _fail(f"{where}.sleep", "weights is vLLM's sleep mode; an sglang engine sleeps "
+                    "at kv or stop")
+    if sleep == "weights" and "--enable-sleep-mode" not in [str(a) for a in data.get("args", [])]:
+        raise _fail(f"{where}.sleep", "weights needs --enable-sleep-mode in args (vLLM's sleep "
+                    "mode moves the weights)")
+    if sleep == "weights" and "memory_asleep" not in data:
+        raise _fail(f"{where}", "memory_asleep is required with sleep: weights (what the engine "
+                    "keeps on the device while its weights are in host memory)")
+    if "memory_asleep" in data and sleep != "weights":
+        raise _fail(f"{where}.memory_asleep", "is only for sleep: weights (at kv the engine "
+                    "keeps its memory, stopped it keeps none)")
+    asleep = (_size(f"{where}.memory_asleep", data["memory_asleep"])
+              if sleep == "weights" else memory)
+    if asleep > memory:
+        raise _fail(f"{where}.memory_asleep", f"{format_size(asleep)} is more than its "
+                    f"memory awake ({format_size(memory)})")
     priority = data.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise _fail(f"{where}.priority", f"must be an integer, got {priority!r}")
@@ -221,7 +244,8 @@ def _model(index: int, data: Any, base: Path, devices: Mapping[str, DeviceSpec])
     idle = data.get("idle_sleep_s")
     return ModelSpec(
         name=name, engine=engine, python=python, model=str(data["model"]), device=device,
-        memory_bytes=memory, sleep=sleep, priority=priority, args=words,
+        memory_bytes=memory, sleep=sleep, memory_asleep_bytes=asleep, priority=priority,
+        args=words,
         env={str(k): str(v) for k, v in env.items()},
         idle_sleep_s=None if idle is None else _seconds(f"{where}.idle_sleep_s", idle))
 

@@ -13,6 +13,13 @@ prefix cache (vLLM's `/reset_prefix_cache`, SGLang's `/flush_cache`), which free
 blocks, so their pages are unmapped too. Waking writes the limits back: the engine's next
 allocation sees them, so a wake costs no engine call at all.
 
+Sleeping at level `weights` (vLLM only) does that first and then calls vLLM's own sleep mode
+(`POST /sleep?level=1`, which needs `--enable-sleep-mode` and vLLM's development mode): vLLM
+moves the weights to host memory and frees what its allocator holds. The KV cache is not in that
+allocator (kvcached reserves it and maps its pages), so vLLM's sleep neither frees nor discards
+it: the limit write already unmapped its pages. Waking calls `POST /wake_up` (the weights come
+back) and then writes the limits back.
+
 Every method here blocks; `fleet.py` decides who calls what, and when.
 """
 
@@ -220,6 +227,21 @@ class Engine:
             now = self.usage().mapped_bytes
             steady = steady + 1 if now == last else 0
             last = now
+
+    def sleep_weights(self) -> None:
+        """Level weights: the KV pages first, then vLLM's sleep mode moves the weights out."""
+        self.sleep_kv()
+        status, body = http_call(self.port, "POST", "/sleep?level=1", timeout_s=300)
+        if status != 200:
+            raise EngineStartError(f"engine of {self.spec.name!r} refused to sleep (HTTP "
+                                   f"{status}: {body[-300:].decode(errors='replace')})")
+
+    def wake_weights(self) -> None:
+        status, body = http_call(self.port, "POST", "/wake_up", timeout_s=300)
+        if status != 200:
+            raise EngineStartError(f"engine of {self.spec.name!r} did not wake (HTTP "
+                                   f"{status}: {body[-300:].decode(errors='replace')})")
+        self.wake_kv()
 
     def wake_kv(self) -> None:
         """Write back the limits the pools had before the engine slept."""

@@ -15,12 +15,14 @@ Invariants, held under the lock:
 - `inflight` counts the requests being proxied to an engine. Only an `awake` engine takes one,
   and an engine with `inflight > 0` is never put to sleep or stopped: idle sleep and making
   room both pick only engines with none.
-- Memory: on each device, the engines that are not `stopped` hold their declared `memory`
-  (a `kv` sleep keeps the weights); the rest of the device is the KV budget they all draw from
-  (`kvcached_core/budget.py`), rewritten whenever that set changes. An engine starts only if
-  its `memory` fits beside what the others hold; if not, idle engines stop, lowest priority
-  and least recently used first, until it fits. If only busy engines are left, the request
-  waits for one of them to become idle, up to `request_wait_s`.
+- Memory: on each device, an engine holds its declared `memory` unless it is `asleep` (then
+  its `memory_asleep`: all of it at level kv, which keeps the weights) or `stopped` (nothing);
+  the rest of the device is the KV budget they all draw from (`kvcached_core/budget.py`),
+  rewritten whenever that changes. An engine starts or wakes only if its `memory` fits beside
+  what the others hold; if not, idle engines make room, lowest priority and least recently
+  used first: one that sleeps at level weights and is awake goes to sleep, any other stops.
+  If only busy engines are left, the request waits for one of them to become idle, up to
+  `request_wait_s`.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class Fleet:
                     slot.last_used = time.monotonic()
                     self.telemetry.set_inflight(name, slot.inflight)
                     return slot
-                if slot.state == ASLEEP:
+                if slot.state == ASLEEP and self._make_room(slot):
                     self._run_transition(slot, WAKING, AWAKE, self._wake)
                     continue
                 if slot.state == STOPPED and self._make_room(slot):
@@ -159,13 +161,13 @@ class Fleet:
 
     def _why_waiting(self, slot: _Slot) -> str:
         name = slot.engine.spec.name
-        if slot.state != STOPPED:
+        if slot.state not in (STOPPED, ASLEEP):
             return (f"model {name!r} was still {slot.state} after "
                     f"{self.config.request_wait_s:.0f} s")
         device = slot.engine.device
         busy = [s.engine.spec.name for s in self._on_device(device.name)
                 if s is not slot and s.state != STOPPED]
-        return (f"model {name!r} needs {format_size(slot.engine.spec.memory_bytes)} on device "
+        return (f"model {name!r} needs {format_size(self._to_fit(slot))} on device "
                 f"{device.name}, where {format_size(self._free_memory(device.name))} is free "
                 f"and engines {', '.join(busy)} stayed busy for "
                 f"{self.config.request_wait_s:.0f} s")
@@ -200,10 +202,10 @@ class Fleet:
         raise error
 
     def _move(self, slot: _Slot, state: str) -> None:
-        was_holding = slot.state != STOPPED
+        held_before = self._holds(slot)
         slot.state = state
         self.telemetry.set_state(slot.engine.spec.name, state)
-        if was_holding != (state != STOPPED):
+        if self._holds(slot) != held_before:
             self._write_budget(slot.engine.device.name)
         self._cv.notify_all()
 
@@ -220,13 +222,19 @@ class Fleet:
         if not slot.engine.alive():
             raise EngineStartError(f"engine of {slot.engine.spec.name!r} died while asleep; "
                                    f"log {slot.engine.log_path}: {slot.engine.log_tail()}")
-        slot.engine.wake_kv()
+        if slot.engine.spec.sleep == "weights":
+            slot.engine.wake_weights()
+        else:
+            slot.engine.wake_kv()
         self.telemetry.observe_wake(slot.engine.spec.name, "wake",
                                     time.monotonic() - started)
 
     def _sleep(self, slot: _Slot) -> None:
-        slot.engine.sleep_kv()
-        self.telemetry.count_sleep(slot.engine.spec.name, "kv")
+        if slot.engine.spec.sleep == "weights":
+            slot.engine.sleep_weights()
+        else:
+            slot.engine.sleep_kv()
+        self.telemetry.count_sleep(slot.engine.spec.name, slot.engine.spec.sleep)
 
     def _stop(self, slot: _Slot) -> None:
         slot.engine.stop()
@@ -259,9 +267,21 @@ class Fleet:
     def _on_device(self, device: str) -> list[_Slot]:
         return [s for s in self._slots.values() if s.engine.device.name == device]
 
+    @staticmethod
+    def _holds(slot: _Slot) -> int:
+        """What the engine holds on its device in its state (declared, not measured)."""
+        if slot.state == STOPPED:
+            return 0
+        if slot.state == ASLEEP:
+            return slot.engine.spec.memory_asleep_bytes
+        return slot.engine.spec.memory_bytes
+
     def _held(self, device: str) -> int:
-        return sum(s.engine.spec.memory_bytes for s in self._on_device(device)
-                   if s.state != STOPPED)
+        return sum(self._holds(s) for s in self._on_device(device))
+
+    def _to_fit(self, slot: _Slot) -> int:
+        """What the slot must add to its device's holdings to run."""
+        return slot.engine.spec.memory_bytes - self._holds(slot)
 
     def _free_memory(self, device: str) -> int:
         return max(0, self.config.device(device).memory_bytes - self._held(device))
@@ -272,19 +292,25 @@ class Fleet:
         self.telemetry.set_budget(device, self._free_memory(device))
 
     def _make_room(self, slot: _Slot) -> bool:
-        """Stop idle engines on the slot's device until its memory fits (lock held; may
-        release it while an engine stops). False: it does not fit and nothing idle is left."""
+        """Make idle engines on the slot's device give memory back until the slot fits (lock
+        held; released while an engine sleeps or stops). False: it does not fit and no idle
+        engine has anything left to give."""
         device = slot.engine.device.name
-        need = slot.engine.spec.memory_bytes
-        while self._free_memory(device) < need:
+        state = slot.state
+        while self._free_memory(device) < self._to_fit(slot):
             idle = [s for s in self._on_device(device)
-                    if s is not slot and s.state in (AWAKE, ASLEEP) and not s.inflight]
+                    if s is not slot and s.state in (AWAKE, ASLEEP) and not s.inflight
+                    and self._holds(s) > 0]
             if not idle:
                 return False
             victim = min(idle, key=lambda s: (s.engine.spec.priority, s.last_used))
             self.telemetry.count_eviction(victim.engine.spec.name)
-            self._run_transition(victim, STOPPING, STOPPED, self._stop)
-            if slot.state != STOPPED:  # another request started it meanwhile
+            if (victim.state == AWAKE and victim.engine.spec.sleep == "weights"
+                    and victim.engine.spec.memory_asleep_bytes < victim.engine.spec.memory_bytes):
+                self._run_transition(victim, SLEEPING, ASLEEP, self._sleep)
+            else:
+                self._run_transition(victim, STOPPING, STOPPED, self._stop)
+            if slot.state != state:  # another request moved it meanwhile
                 return False
         return True
 

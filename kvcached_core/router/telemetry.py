@@ -5,8 +5,8 @@
     kvrouter_wakes_total{model, kind}            kind: start (a stopped engine), wake (asleep)
     kvrouter_wake_seconds{model, kind}           how long each took
     kvrouter_wake_failures_total{model, kind}
-    kvrouter_sleeps_total{model, level}          level: kv, stop
-    kvrouter_evictions_total{model}              engines stopped to make room for another
+    kvrouter_sleeps_total{model, level}          level: kv, weights, stop
+    kvrouter_evictions_total{model}              idle engines put to sleep or stopped for another
     kvrouter_engine_state{model, state}          1 for the engine's current state
     kvrouter_inflight_requests{model}
     kvrouter_kv_mapped_bytes{model}              what the engine's pools map (records)
@@ -42,8 +42,8 @@ class Telemetry:
         self._sleeps = Counter("kvrouter_sleeps", "Engines put to sleep or stopped",
                                ["model", "level"], registry=r)
         self._evictions = Counter("kvrouter_evictions",
-                                  "Idle engines stopped to make room for another", ["model"],
-                                  registry=r)
+                                  "Idle engines put to sleep or stopped to make room",
+                                  ["model"], registry=r)
         self._state = Gauge("kvrouter_engine_state", "1 for the engine's current state",
                             ["model", "state"], registry=r)
         self._inflight = Gauge("kvrouter_inflight_requests", "Requests being proxied",

@@ -68,12 +68,24 @@ def test_a_valid_file_reads_with_defaults(tmp_path: Path) -> None:
     ({"models": [_model("a", env={"KVCACHED_BUDGET": "mine"})]},
      "model 'a'.env: KVCACHED_BUDGET is set by the router (the device's budget), leave it out"),
     ({"models": [_model("a", sleep="deep")]},
-     "model 'a'.sleep: must be one of kv, stop, got 'deep'"),
+     "model 'a'.sleep: must be one of kv, weights, stop, got 'deep'"),
+    ({"models": [_model("a", sleep="weights", memory_asleep="1GiB")]},
+     "model 'a'.sleep: weights needs --enable-sleep-mode in args (vLLM's sleep mode moves the "
+     "weights)"),
+    ({"models": [_model("a", sleep="weights", args=["--enable-sleep-mode"])]},
+     "model 'a': memory_asleep is required with sleep: weights (what the engine keeps on the "
+     "device while its weights are in host memory)"),
+    ({"models": [_model("a", engine="sglang", sleep="weights")]},
+     "model 'a'.sleep: weights is vLLM's sleep mode; an sglang engine sleeps at kv or stop"),
+    ({"models": [_model("a", memory_asleep="1GiB")]},
+     "model 'a'.memory_asleep: is only for sleep: weights (at kv the engine keeps its memory, "
+     "stopped it keeps none)"),
     ({"models": [_model("a"), _model("a")]}, "models[1].name: 'a' is listed twice"),
     ({"models": [_model("a", python="/no/python")]},
      "model 'a'.python: /no/python is not an executable interpreter"),
     ({"models": [_model("a", gpu="0")]}, "models[0]: unknown key 'gpu' (allowed: args, "
-     "device, engine, env, idle_sleep_s, memory, model, name, priority, python, sleep)"),
+     "device, engine, env, idle_sleep_s, memory, memory_asleep, model, name, priority, python, "
+     "sleep)"),
     ({"listen": "8000"}, "listen: must be HOST:PORT, got '8000'"),
     ({"devices": []}, "devices: must list at least one device"),
     ({"idle_sleep_s": -1}, "idle_sleep_s: must be a number of seconds >= 0, got -1"),
@@ -145,6 +157,12 @@ class FakeEngine(Engine):
 
     def wake_kv(self) -> None:
         self.journal.append(f"wake {self.spec.name}")
+
+    def sleep_weights(self) -> None:
+        self.journal.append(f"sleep-weights {self.spec.name}")
+
+    def wake_weights(self) -> None:
+        self.journal.append(f"wake-weights {self.spec.name}")
 
     def usage(self) -> KVUsage:
         return KVUsage(0, 0, 0, 0)
@@ -307,3 +325,40 @@ def test_a_failed_start_answers_every_waiting_request_and_the_next_one_tries_aga
     with fleet.use("a"):
         pass
     assert journal == ["start a", "start a"]
+
+
+def _weights(name: str, **extra: Any) -> dict[str, Any]:
+    return _model(name, sleep="weights", memory_asleep="0.5GiB", args=["--enable-sleep-mode"],
+                  **extra)
+
+
+def test_an_engine_sleeping_at_weights_holds_only_its_asleep_memory(make_fleet: Any,
+                                                                   tmp_path: Path) -> None:
+    fleet, journal, _ = make_fleet(_weights("a"), _model("b"), idle_sleep_s=0.2)
+    with fleet.use("a"):
+        pass
+    deadline = time.monotonic() + 5
+    while _states(fleet)["a"] != "asleep":
+        assert time.monotonic() < deadline, _states(fleet)
+        time.sleep(0.05)
+    # Asleep, a holds 0.5 GiB of its 2: the budget gets the rest back.
+    assert read_budget("kvrouter-gpu0", tmp_path / "shm").capacity_bytes == int(4.5 * GIB)
+    with fleet.use("a"):
+        pass
+    assert journal == ["start a", "sleep-weights a", "wake-weights a"]
+
+
+def test_to_make_room_an_idle_engine_sleeping_at_weights_sleeps_instead_of_stopping(
+        make_fleet: Any) -> None:
+    fleet, journal, _ = make_fleet(_weights("a"), _model("b"), _model("c"), idle_sleep_s=0)
+    for name in ("a", "b"):
+        with fleet.use(name):
+            pass
+    with fleet.use("c"):  # 2 + 2 GiB held, 2 more needed of 5: a goes to sleep (0.5 GiB)
+        pass
+    assert journal == ["start a", "start b", "sleep-weights a", "start c"]
+    assert _states(fleet) == {"a": "asleep", "b": "awake", "c": "awake"}
+    # Waking a needs its 1.5 GiB back: b, the idle engine used longest ago, stops for it.
+    with fleet.use("a"):
+        pass
+    assert journal[-2:] == ["stop b", "wake-weights a"]
