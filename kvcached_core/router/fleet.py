@@ -143,6 +143,9 @@ class Fleet:
                     raise EngineUnavailable("the router is shutting down")
                 if slot.failures != failures_seen:
                     raise EngineUnavailable(slot.last_error)
+                if slot.state in (AWAKE, ASLEEP) and not slot.engine.alive():
+                    self._bury(slot)
+                    continue
                 if slot.state == AWAKE:
                     slot.inflight += 1
                     slot.last_used = time.monotonic()
@@ -240,6 +243,21 @@ class Fleet:
         slot.engine.stop()
         self.telemetry.count_sleep(slot.engine.spec.name, "stop")
 
+    def _bury(self, slot: _Slot) -> None:
+        """An engine whose process exited unasked: clean its process group and records up and
+        mark it stopped, so the next request starts it again (lock held; released meanwhile).
+        Requests in flight on it have already failed on their connection."""
+        engine = slot.engine
+        code = engine.process.returncode if engine.process is not None else None
+        slot.last_error = (f"engine of {engine.spec.name!r} exited unasked with status {code}; "
+                           f"log {engine.log_path}: {engine.log_tail()}")
+        self.telemetry.count_death(engine.spec.name)
+        self._run_transition(slot, STOPPING, STOPPED, self._clean_up)
+
+    @staticmethod
+    def _clean_up(slot: _Slot) -> None:
+        slot.engine.stop()
+
     def sleep(self, name: str) -> str:
         """Put an idle, awake engine to sleep at its level now (an operator's request)."""
         slot = self._slots[name]
@@ -323,6 +341,9 @@ class Fleet:
                     return
                 now = time.monotonic()
                 for slot in self._slots.values():
+                    if slot.state in (AWAKE, ASLEEP) and not slot.engine.alive():
+                        self._bury(slot)
+                        break  # the lock was released: look again
                     idle_s = slot.engine.spec.idle_sleep_s
                     idle_s = self.config.idle_sleep_s if idle_s is None else idle_s
                     if (slot.state == AWAKE and not slot.inflight and idle_s > 0

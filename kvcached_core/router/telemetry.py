@@ -6,6 +6,8 @@
     kvrouter_wake_seconds{model, kind}           how long each took
     kvrouter_wake_failures_total{model, kind}
     kvrouter_sleeps_total{model, level}          level: kv, weights, stop
+    kvrouter_engine_deaths_total{model}          engines that exited unasked (started again on
+                                                 the next request)
     kvrouter_evictions_total{model}              idle engines put to sleep or stopped for another
     kvrouter_engine_state{model, state}          1 for the engine's current state
     kvrouter_inflight_requests{model}
@@ -44,6 +46,8 @@ class Telemetry:
         self._evictions = Counter("kvrouter_evictions",
                                   "Idle engines put to sleep or stopped to make room",
                                   ["model"], registry=r)
+        self._deaths = Counter("kvrouter_engine_deaths", "Engines that exited unasked",
+                               ["model"], registry=r)
         self._state = Gauge("kvrouter_engine_state", "1 for the engine's current state",
                             ["model", "state"], registry=r)
         self._inflight = Gauge("kvrouter_inflight_requests", "Requests being proxied",
@@ -75,6 +79,9 @@ class Telemetry:
 
     def count_sleep(self, model: str, level: str) -> None:
         self._sleeps.labels(model, level).inc()
+
+    def count_death(self, model: str) -> None:
+        self._deaths.labels(model).inc()
 
     def count_eviction(self, model: str) -> None:
         self._evictions.labels(model).inc()

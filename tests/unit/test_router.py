@@ -362,3 +362,17 @@ def test_to_make_room_an_idle_engine_sleeping_at_weights_sleeps_instead_of_stopp
     with fleet.use("a"):
         pass
     assert journal[-2:] == ["stop b", "wake-weights a"]
+
+
+def test_an_engine_that_died_is_cleaned_up_and_started_again_by_the_next_request(
+        make_fleet: Any) -> None:
+    fleet, journal, engines = make_fleet(_model("a"), idle_sleep_s=0)
+    with fleet.use("a"):
+        pass
+    engines["a"].running = False  # the process exited unasked
+    with fleet.use("a"):
+        pass
+    assert journal == ["start a", "start a"]
+    row = next(r for r in fleet.status() if r["model"] == "a")
+    assert row["state"] == "awake"
+    assert str(row["last_error"]).startswith("engine of 'a' exited unasked with status")
