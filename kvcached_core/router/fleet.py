@@ -105,9 +105,15 @@ class Fleet:
             running = [s for s in self._slots.values() if s.state != STOPPED]
             for slot in running:
                 self._move(slot, STOPPING)
-        for slot in running:
-            slot.engine.stop()
-            with self._cv:
+        # Each engine may take its grace period to drain: stop them all at once.
+        stoppers = [threading.Thread(target=slot.engine.stop, name="kvrouter-stop")
+                    for slot in running]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join()
+        with self._cv:
+            for slot in running:
                 self._move(slot, STOPPED)
         if self._idle_thread is not None:
             self._idle_thread.join(timeout=5)
