@@ -506,10 +506,17 @@ class BlockLedger:
         self._pages_changed()
 
     def clear(self) -> None:
-        """Free every block (including set-aside ones), trim, and set the null block aside again."""
+        """Free every block (including set-aside ones), trim, and set the null block aside again.
+
+        The null block's page stays mapped throughout. It is the pool's floor: no limit or
+        budget takes it back (a resize never revokes live blocks), so a clear under a limit of
+        zero or a spent budget (SGLang's `flush_cache` on an engine the router put to sleep)
+        must not have to map it again, where the limit or the budget would refuse it.
+        """
         if self._failure is not None:
             self._refuse()
-        pages = sorted(self._page_free)
+        keep = 0 if self.null_block_id is not None and 0 in self._page_free else None
+        pages = sorted(page for page in self._page_free if page != keep)
         for page, free in self._page_free.items():
             self._move_bucket(page, len(free), 0)
         self._page_free.clear()
@@ -525,9 +532,17 @@ class BlockLedger:
                 self._fail(f"page allocator: {exc}")
                 raise
         self._allocator.trim()
-        self._pages_changed()
-        if self.null_block_id is not None:
+        if keep is not None:
+            self._adopt_page(keep)
+            taken = self._take_from_page(keep, 1)
+            if taken != [0]:
+                self._fail(f"null block must be block 0, page 0 gave {taken}")
+                self._refuse()
+            self._used.discard(0)
+            self.null_block_id = 0
+        elif self.null_block_id is not None:
             self.null_block_id = self._set_aside_null_block()
+        self._pages_changed()
 
     def shutdown(self) -> None:
         """Stop the allocator's background work. Idempotent."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -40,6 +41,14 @@ GIB = 1 << 30
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 IDLE_SLEEP_S = 2
 START_TIMEOUT_S = 300
+
+
+def readme_router_lines() -> list[str]:
+    """The commands of the README's kvrouter block, without their comments."""
+    text = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Many models behind one endpoint: `kvrouter`", 1)[1]
+    block = block.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
 
 
 def _get(url: str) -> Any:
@@ -88,7 +97,7 @@ def test_router_serves_four_models_and_sleeps_and_wakes_them(
     if sglang_python is None:
         pytest.skip("no SGLang cell is selected (the router's SGLang model needs one)")
 
-    kvrouter = engine_venv.parent / "kvrouter"
+    assert (engine_venv.parent / "kvrouter").exists(), "kvcached-core installed no kvrouter"
     shm = tmp_path / "shm"
     shm.mkdir()
     build_env = engine_env(unloadable_packages_hidden, shm)
@@ -117,24 +126,29 @@ def test_router_serves_four_models_and_sleeps_and_wakes_them(
     config = tmp_path / "router.yaml"
     _write_config(config, port, models, shm)
     base = f"http://127.0.0.1:{port}"
+    # The user's shell: the engine venv's scripts first on the PATH, in the config's folder.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVCACHED_", "VLLM_", "PYTHON"))}
+    env["PATH"] = f"{engine_venv.parent}{os.pathsep}{env.get('PATH', '')}"
+    check_line, serve_line = readme_router_lines()
+    assert (check_line, serve_line) == ("kvrouter check router.yaml",
+                                        "kvrouter serve router.yaml")
 
     # `kvrouter check` prints the plan; a bad file gets one line and status 2.
-    check = subprocess.run([str(kvrouter), "check", str(config)], capture_output=True,
-                           text=True, env=env)
+    check = subprocess.run(shlex.split(check_line), capture_output=True, text=True, env=env,
+                           cwd=tmp_path)
     assert check.returncode == 0, check.stderr
     assert "llama-a: vllm" in check.stdout and "sg: sglang" in check.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text(config.read_text().replace("engine: sglang", "engine: sglangx"))
-    refused = subprocess.run([str(kvrouter), "check", str(bad)], capture_output=True,
-                             text=True, env=env)
+    refused = subprocess.run(["kvrouter", "check", "bad.yaml"], capture_output=True,
+                             text=True, env=env, cwd=tmp_path)
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.strip() == ("kvrouter: model 'sg'.engine: must be one of vllm, "
                                       "sglang, got 'sglangx'")
 
     log = (tmp_path / "router.log").open("w")
-    router = subprocess.Popen([str(kvrouter), "serve", str(config)], env=env, stdout=log,
+    router = subprocess.Popen(shlex.split(serve_line), env=env, cwd=tmp_path, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
     pids: dict[str, int] = {}
     try:

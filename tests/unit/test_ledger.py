@@ -255,6 +255,21 @@ def test_clear_frees_everything_and_rereserves_the_null_block(native: Native) ->
     assert manager.available_size() == 31
 
 
+def test_clear_under_a_limit_of_zero_keeps_the_null_blocks_page(native: Native) -> None:
+    # An engine put to sleep (limit 0) whose cache is then flushed: the clear must not have to
+    # map the null block's page again, which the limit would refuse.
+    manager = manager_for(native)
+    manager.alloc(10)
+    manager.request_resize(0)  # kvctl limit POOL 0, seen by the pool's watcher
+    manager.clear()
+    assert manager.null_block_id == 0 and manager.num_used_blocks == 0
+    assert native.ftensors.mapped_page_ids() == [0]
+    assert sorted(manager.alloc(3)) == [1, 2, 3]  # the page the pool keeps still serves
+    with pytest.raises(PoolExhausted):
+        manager.alloc(1)  # but no new page is mapped under the limit
+    assert native.ftensors.mapped_page_ids() == [0]
+
+
 def test_blocks_spanning_pages_use_one_ledger_page_per_block() -> None:
     # block = 2 pages: the allocator counts in 2-page units (what KVPool builds).
     made = make_native(4, page_size=2 * PAGE)
