@@ -20,9 +20,7 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from router_process import get_json, running_router  # noqa: E402
 
 from tests.e2e.router_setup import VLLM_ARGS, VLLM_ENV  # noqa: E402
 from tests.e2e.vllm_cpu_env import (  # noqa: E402
@@ -42,11 +43,6 @@ from tests.e2e.vllm_cpu_env import (  # noqa: E402
 
 IDLE_SLEEP_S = 1.0
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def _complete(base: str, model: str) -> float:
@@ -62,7 +58,7 @@ def _complete(base: str, model: str) -> float:
 
 
 def _state(base: str, model: str) -> str:
-    rows = _get(f"{base}/router/status")["models"]
+    rows = get_json(f"{base}/router/status")["models"]
     return str(next(r["state"] for r in rows if r["model"] == model))
 
 
@@ -103,22 +99,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kvrouter = Path(args.engine_python).parent / "kvrouter"
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("KVCACHED_", "VLLM_", "PYTHON"))}
-    log = (work / "router.log").open("w")
-    router = subprocess.Popen([str(kvrouter), "serve", str(config)], env=clean, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     woken: dict[str, list[float]] = {"kv": [], "stop": []}
     awake: dict[str, list[float]] = {"kv": [], "stop": []}
     wake_part: dict[str, list[float]] = {"kv": [], "stop": []}
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _get(f"{base}/health")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the router did not answer"
-                time.sleep(0.2)
+    with running_router([str(kvrouter), "serve", str(config)], clean, work / "router.log",
+                        base):
         for name in ("kv", "stop"):  # the first start of each, not measured
             _complete(base, name)
         for round_index in range(args.rounds):
@@ -133,10 +119,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"kv {woken['kv'][-1]:.3f} s (awake {awake['kv'][-1]:.3f} s), "
                   f"stop {woken['stop'][-1]:.1f} s (awake {awake['stop'][-1]:.3f} s)",
                   flush=True)
-    finally:
-        os.killpg(router.pid, signal.SIGTERM)
-        router.wait(timeout=120)
-        log.close()
     levels = {}
     for name in ("kv", "stop"):
         levels[name] = {

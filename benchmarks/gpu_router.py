@@ -30,9 +30,7 @@ import csv
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -47,17 +45,13 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from make_random_llama import make, parameters  # noqa: E402
+from router_process import get_json, running_router  # noqa: E402
 
 GIB = 1 << 30
 MODELS = [("m0-8b", "8b"), ("m1-3b", "3b"), ("m2-3b", "3b"), ("m3-1b", "1b"), ("m4-1b", "1b"),
           ("m5-1b", "1b"), ("m6-1b", "1b"), ("m7-1b", "1b")]
 OVERHEAD_BYTES = 3 * GIB  # CUDA context, activations at the profiled peak, sampler workspace
 USABLE = 0.9  # of the device, as vLLM's default utilization leaves the rest
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 900) -> Any:
@@ -158,7 +152,7 @@ class Sampler(threading.Thread):
                 used = device_used()
                 self.peak_used = max(self.peak_used, used)
                 try:
-                    rows = {r["model"]: r for r in _get(f"{self.base}/router/status")["models"]}
+                    rows = {r["model"]: r for r in get_json(f"{self.base}/router/status")["models"]}
                 except OSError:
                     rows = {}
                 writer.writerow([round(time.monotonic() - started, 2), used,
@@ -181,97 +175,81 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config, weights = build_config(args, work, total)
     base = f"http://127.0.0.1:{args.port}"
     env = dict(os.environ, PYTHONPATH=f"{args.site}{os.pathsep}{REPO}")
-    log = (out / "router.log").open("w")
-    router = subprocess.Popen([sys.executable, "-m", "kvcached_core.router.cli", "serve",
-                               str(config)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
     sampler = Sampler(base, out / "timeline.csv")
     summary: dict[str, Any] = {"mode": args.mode, "device_total": total,
                                "weights": weights}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(f"{base}/health")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the router did not answer"
-                time.sleep(0.5)
-        sampler.start()
-        # Every engine starts before the trace. Elastic engines start all at once (each takes
-        # its start-up memory snapshot in turn, `startup_memory.py`); stock engines one after
-        # another, since each sizes its KV from the free memory it measures while starting.
-        starts: dict[str, float] = {}
-        began_all = time.monotonic()
+        serve = [sys.executable, "-m", "kvcached_core.router.cli", "serve", str(config)]
+        with running_router(serve, env, out / "router.log", base):
+            sampler.start()
+            # Every engine starts before the trace. Elastic engines start all at once (each takes
+            # its start-up memory snapshot in turn, `startup_memory.py`); stock engines one after
+            # another, since each sizes its KV from the free memory it measures while starting.
+            starts: dict[str, float] = {}
+            began_all = time.monotonic()
 
-        def start(name: str) -> None:
-            began = time.monotonic()
-            try:
-                _post(f"{base}/router/models/{name}/wake")
-            except urllib.error.HTTPError as exc:  # the router's reason, log tail included
-                raise RuntimeError(f"{name}: {exc.read().decode()[-2000:]}") from exc
-            starts[name] = round(time.monotonic() - began, 1)
-            print(f"{args.mode}: {name} started in {starts[name]} s", flush=True)
+            def start(name: str) -> None:
+                began = time.monotonic()
+                try:
+                    _post(f"{base}/router/models/{name}/wake")
+                except urllib.error.HTTPError as exc:  # the router's reason, log tail included
+                    raise RuntimeError(f"{name}: {exc.read().decode()[-2000:]}") from exc
+                starts[name] = round(time.monotonic() - began, 1)
+                print(f"{args.mode}: {name} started in {starts[name]} s", flush=True)
 
-        names = [name for name, _ in MODELS]
-        if args.mode == "elastic":
-            with ThreadPoolExecutor(len(names)) as pool:
-                list(pool.map(start, names))
-        else:
-            for name in names:
-                start(name)
-        summary["start_s"] = starts
-        summary["all_started_s"] = round(time.monotonic() - began_all, 1)
-        summary["used_after_start"] = device_used()
-        trace = make_trace(args)
-        results: list[dict[str, Any]] = []
-        lock = threading.Lock()
-        t0 = time.monotonic() + 1.0
+            names = [name for name, _ in MODELS]
+            if args.mode == "elastic":
+                with ThreadPoolExecutor(len(names)) as pool:
+                    list(pool.map(start, names))
+            else:
+                for name in names:
+                    start(name)
+            summary["start_s"] = starts
+            summary["all_started_s"] = round(time.monotonic() - began_all, 1)
+            summary["used_after_start"] = device_used()
+            trace = make_trace(args)
+            results: list[dict[str, Any]] = []
+            lock = threading.Lock()
+            t0 = time.monotonic() + 1.0
 
-        def send(item: tuple[float, str, list[int]]) -> None:
-            at, name, prompt = item
-            time.sleep(max(0.0, t0 + at - time.monotonic()))
-            began = time.monotonic()
-            record: dict[str, Any] = {"model": name, "sent": at}
-            try:
-                answer = _post(f"{base}/v1/completions", {
-                    "model": name, "prompt": prompt, "max_tokens": args.max_tokens,
-                    "temperature": 0, "ignore_eos": True}, timeout=900)
-                record["ok"] = answer["usage"]["completion_tokens"] == args.max_tokens
-            except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
-                record["ok"], record["error"] = False, str(exc)[:300]
-            record["latency_s"] = time.monotonic() - began
-            with lock:
-                results.append(record)
+            def send(item: tuple[float, str, list[int]]) -> None:
+                at, name, prompt = item
+                time.sleep(max(0.0, t0 + at - time.monotonic()))
+                began = time.monotonic()
+                record: dict[str, Any] = {"model": name, "sent": at}
+                try:
+                    answer = _post(f"{base}/v1/completions", {
+                        "model": name, "prompt": prompt, "max_tokens": args.max_tokens,
+                        "temperature": 0, "ignore_eos": True}, timeout=900)
+                    record["ok"] = answer["usage"]["completion_tokens"] == args.max_tokens
+                except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+                    record["ok"], record["error"] = False, str(exc)[:300]
+                record["latency_s"] = time.monotonic() - began
+                with lock:
+                    results.append(record)
 
-        with ThreadPoolExecutor(len(trace)) as pool:
-            list(pool.map(send, trace))
-        latencies = [r["latency_s"] for r in results if r["ok"]]
-        popular = [r["latency_s"] for r in results if r["ok"] and r["model"] == MODELS[0][0]]
-        summary.update({
-            "requests": len(results), "served": len(latencies),
-            "failed": len(results) - len(latencies),
-            "errors": [r["error"] for r in results if "error" in r][:5],
-            "p50_s": _percentile(latencies, 0.5), "p99_s": _percentile(latencies, 0.99),
-            "mean_s": statistics.fmean(latencies) if latencies else None,
-            "popular_p50_s": _percentile(popular, 0.5),
-            "popular_p99_s": _percentile(popular, 0.99),
-            "per_model_requests": {n: sum(r["model"] == n for r in results)
-                                   for n, _ in MODELS},
-            "trace_s": round(time.monotonic() - t0, 1),
-            "status": _get(f"{base}/router/status")["models"],
-        })
-        with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
-            (out / "metrics.txt").write_bytes(response.read())
+            with ThreadPoolExecutor(len(trace)) as pool:
+                list(pool.map(send, trace))
+            latencies = [r["latency_s"] for r in results if r["ok"]]
+            popular = [r["latency_s"] for r in results if r["ok"] and r["model"] == MODELS[0][0]]
+            summary.update({
+                "requests": len(results), "served": len(latencies),
+                "failed": len(results) - len(latencies),
+                "errors": [r["error"] for r in results if "error" in r][:5],
+                "p50_s": _percentile(latencies, 0.5), "p99_s": _percentile(latencies, 0.99),
+                "mean_s": statistics.fmean(latencies) if latencies else None,
+                "popular_p50_s": _percentile(popular, 0.5),
+                "popular_p99_s": _percentile(popular, 0.99),
+                "per_model_requests": {n: sum(r["model"] == n for r in results)
+                                       for n, _ in MODELS},
+                "trace_s": round(time.monotonic() - t0, 1),
+                "status": get_json(f"{base}/router/status")["models"],
+            })
+            with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
+                (out / "metrics.txt").write_bytes(response.read())
     finally:
         sampler.stop.set()
         summary["peak_used"] = sampler.peak_used
-        os.killpg(router.pid, signal.SIGTERM)
-        try:
-            router.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            os.killpg(router.pid, signal.SIGKILL)
-        log.close()
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -33,8 +31,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from gpu_router import _get, _post, device_total, device_used  # noqa: E402
+from gpu_router import _post, device_total, device_used  # noqa: E402
 from make_random_llama import make, parameters  # noqa: E402
+from router_process import running_router  # noqa: E402
 
 GIB = 1 << 30
 LEVELS = {"kv-8b": "kv", "weights-8b": "weights"}
@@ -78,10 +77,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "devices": [{"name": "gpu0", "memory": int(0.9 * total), "cuda_visible_devices": "0"}],
         "models": models}))
     base = f"http://127.0.0.1:{args.port}"
-    log = (out / "router.log").open("w")
-    router = subprocess.Popen([sys.executable, "-m", "kvcached_core.router.cli", "serve",
-                               str(config_path)], env=dict(os.environ), stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 1000) for _ in range(args.prompt)] for _ in range(args.burst)]
     result: dict[str, Any] = {"device_total": total, "levels": {}}
@@ -95,49 +90,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return time.monotonic() - began, answers
 
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(f"{base}/health")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the router did not answer"
-                time.sleep(0.5)
-        for name in LEVELS:
-            _post(f"{base}/router/models/{name}/wake")
-        for name, level in LEVELS.items():
-            rows: list[dict[str, Any]] = []
-            awake_s, reference = burst(name)
-            for _ in range(args.rounds):
-                awake_s, answers = burst(name)
-                used_awake = device_used()
-                _post(f"{base}/router/models/{name}/sleep")
-                time.sleep(1)
-                used_asleep = device_used()
-                before = _wake_sum(base, name)
-                woken_s, woken = burst(name)
-                rows.append({"awake_burst_s": awake_s, "woken_burst_s": woken_s,
-                             "freed_gib": (used_awake - used_asleep) / GIB,
-                             "router_wake_s": _wake_sum(base, name) - before,
-                             "same_tokens": woken == reference and answers == reference})
-                print(f"{name}: freed {rows[-1]['freed_gib']:.2f} GiB, wake "
-                      f"{rows[-1]['router_wake_s'] * 1000:.1f} ms, burst {woken_s:.2f} s "
-                      f"after the wake vs {awake_s:.2f} s awake, same tokens "
-                      f"{rows[-1]['same_tokens']}", flush=True)
-            result["levels"][level] = {
-                "rounds": rows,
-                "freed_gib_median": statistics.median(r["freed_gib"] for r in rows),
-                "router_wake_s_median": statistics.median(r["router_wake_s"] for r in rows),
-                "woken_over_awake_median": statistics.median(
-                    r["woken_burst_s"] / r["awake_burst_s"] for r in rows),
-                "same_tokens": all(r["same_tokens"] for r in rows)}
+        serve = [sys.executable, "-m", "kvcached_core.router.cli", "serve", str(config_path)]
+        with running_router(serve, dict(os.environ), out / "router.log", base):
+            for name in LEVELS:
+                _post(f"{base}/router/models/{name}/wake")
+            for name, level in LEVELS.items():
+                rows: list[dict[str, Any]] = []
+                awake_s, reference = burst(name)
+                for _ in range(args.rounds):
+                    awake_s, answers = burst(name)
+                    used_awake = device_used()
+                    _post(f"{base}/router/models/{name}/sleep")
+                    time.sleep(1)
+                    used_asleep = device_used()
+                    before = _wake_sum(base, name)
+                    woken_s, woken = burst(name)
+                    rows.append({"awake_burst_s": awake_s, "woken_burst_s": woken_s,
+                                 "freed_gib": (used_awake - used_asleep) / GIB,
+                                 "router_wake_s": _wake_sum(base, name) - before,
+                                 "same_tokens": woken == reference and answers == reference})
+                    print(f"{name}: freed {rows[-1]['freed_gib']:.2f} GiB, wake "
+                          f"{rows[-1]['router_wake_s'] * 1000:.1f} ms, burst {woken_s:.2f} s "
+                          f"after the wake vs {awake_s:.2f} s awake, same tokens "
+                          f"{rows[-1]['same_tokens']}", flush=True)
+                result["levels"][level] = {
+                    "rounds": rows,
+                    "freed_gib_median": statistics.median(r["freed_gib"] for r in rows),
+                    "router_wake_s_median": statistics.median(r["router_wake_s"] for r in rows),
+                    "woken_over_awake_median": statistics.median(
+                        r["woken_burst_s"] / r["awake_burst_s"] for r in rows),
+                    "same_tokens": all(r["same_tokens"] for r in rows)}
     finally:
-        os.killpg(router.pid, signal.SIGTERM)
-        try:
-            router.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            os.killpg(router.pid, signal.SIGKILL)
-        log.close()
         (out / "levels.json").write_text(json.dumps(result, indent=1))
     return result
 
