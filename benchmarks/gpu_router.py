@@ -1,15 +1,16 @@
 """Eight models behind one `kvrouter` endpoint on one GPU: elastic engines against a static split.
 
-Eight random-weight Llamas of different sizes (one 8b, two 3b, five 1b; `make_random_llama.py`,
-weights filled by vLLM's dummy loader) are served by one router, in one of two modes:
+Eight random-weight Llamas of different sizes (`--sizes`; on a card over 100 GiB one 8b, two 3b,
+five 1b, else two 3b and six 1b; `make_random_llama.py`, weights filled by vLLM's dummy loader)
+are served by one router, in one of two modes:
 
 - `elastic`: patched vLLM engines (kvcached on); each declares its weights plus an overhead,
   the rest of the device is one KV budget they share; idle engines sleep (`kv` level) after
   `--idle-sleep-s` and wake on the next request.
 - `static`: what a user does without elastic KV: the same engines with kvcached off
   (`KVCACHED_ENABLE=0`, the stock code path), each started with `gpu_memory_utilization` equal
-  to its share: its weights and overhead plus an equal slice of the KV memory left; they never
-  sleep.
+  to its share: its weights and overhead plus an equal slice of the KV memory left (that slice
+  given as `kv_cache_memory_bytes`); they never sleep.
 
 Both modes replay the same trace: bursts every `--burst-every-s` of `--burst` requests, each to a
 model drawn by Zipf popularity (s = `--zipf`; the 8b is the most popular), with an idle gap in
@@ -48,8 +49,11 @@ from make_random_llama import make, parameters  # noqa: E402
 from router_process import get_json, running_router  # noqa: E402
 
 GIB = 1 << 30
-MODELS = [("m0-8b", "8b"), ("m1-3b", "3b"), ("m2-3b", "3b"), ("m3-1b", "1b"), ("m4-1b", "1b"),
-          ("m5-1b", "1b"), ("m6-1b", "1b"), ("m7-1b", "1b")]
+# Eight models, the largest the most popular; an 80 GB card gets a smaller largest model, so
+# that the static split still leaves every engine a KV slice that holds one full-length request.
+SIZES_BY_DEVICE = {"large": "8b,3b,3b,1b,1b,1b,1b,1b", "small": "3b,3b,1b,1b,1b,1b,1b,1b"}
+LARGE_DEVICE_BYTES = 100 * (1 << 30)
+MODELS: list[tuple[str, str]] = []
 OVERHEAD_BYTES = 3 * GIB  # CUDA context, activations at the profiled peak, sampler workspace
 USABLE = 0.9  # of the device, as vLLM's default utilization leaves the rest
 
@@ -96,14 +100,18 @@ def build_config(args: argparse.Namespace, work: Path, total: int) -> tuple[Path
     models = []
     for name, _size in MODELS:
         if args.mode == "elastic":
-            memory, util, extra_env = held[name], USABLE, {"KVCACHED_ENABLE": "1"}
+            memory, extra_env = held[name], {"KVCACHED_ENABLE": "1"}
+            sizing = ["--gpu-memory-utilization", str(USABLE)]
         else:
-            memory = int(held[name] + kv_slice)
-            util, extra_env = round(memory / total, 4), {"KVCACHED_ENABLE": "0"}
+            # Its share of the device, and exactly its slice of KV: vLLM then skips sizing the
+            # KV from the free memory it measures, so the eight stock engines can start at once
+            # (sized from measurements, each must start alone, 50 s apiece).
+            memory, extra_env = int(held[name] + kv_slice), {"KVCACHED_ENABLE": "0"}
+            sizing = ["--gpu-memory-utilization", str(round(memory / total, 4)),
+                      "--kv-cache-memory-bytes", str(int(kv_slice))]
         models.append({"name": name, "engine": "vllm", "python": sys.executable,
                        "model": str(paths[name]), "device": "gpu0", "memory": memory,
-                       "args": [*common, "--gpu-memory-utilization", str(util)],
-                       "env": {**env, **extra_env}})
+                       "args": [*common, *sizing], "env": {**env, **extra_env}})
     config = work / "router.yaml"
     config.write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{args.port}", "log_dir": str(work / "logs"),
@@ -177,14 +185,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=f"{args.site}{os.pathsep}{REPO}")
     sampler = Sampler(base, out / "timeline.csv")
     summary: dict[str, Any] = {"mode": args.mode, "device_total": total,
-                               "weights": weights}
+                               "weights": weights, "models": MODELS, "argv": sys.argv[1:]}
     try:
         serve = [sys.executable, "-m", "kvcached_core.router.cli", "serve", str(config)]
         with running_router(serve, env, out / "router.log", base):
             sampler.start()
-            # Every engine starts before the trace. Elastic engines start all at once (each takes
-            # its start-up memory snapshot in turn, `startup_memory.py`); stock engines one after
-            # another, since each sizes its KV from the free memory it measures while starting.
+            # Every engine starts before the trace, all at once: elastic engines take their
+            # start-up memory snapshots in turn (`startup_memory.py`), stock ones are told their
+            # KV size.
             starts: dict[str, float] = {}
             began_all = time.monotonic()
 
@@ -198,12 +206,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{args.mode}: {name} started in {starts[name]} s", flush=True)
 
             names = [name for name, _ in MODELS]
-            if args.mode == "elastic":
-                with ThreadPoolExecutor(len(names)) as pool:
-                    list(pool.map(start, names))
-            else:
-                for name in names:
-                    start(name)
+            with ThreadPoolExecutor(len(names)) as pool:
+                list(pool.map(start, names))
             summary["start_s"] = starts
             summary["all_started_s"] = round(time.monotonic() - began_all, 1)
             summary["used_after_start"] = device_used()
@@ -268,7 +272,7 @@ def plot(runs: list[Path], png: Path) -> None:
             rows = list(csv.DictReader(handle))
         t = [float(r["t"]) for r in rows]
         axis.plot(t, [int(r["device_used"]) / GIB for r in rows], label="device in use (NVML)")
-        names = [name for name, _ in MODELS]
+        names = list(rows[0])[2:]  # the models' columns, most popular first
         axis.plot(t, [sum(int(r[n]) for n in names) / GIB for r in rows],
                   label="KV mapped, all engines")
         axis.plot(t, [int(r[names[0]]) / GIB for r in rows], label=f"KV mapped, {names[0]}")
@@ -304,7 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=7000)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    summary = run(parser.parse_args(argv))
+    parser.add_argument("--sizes", default="auto",
+                        help="eight model sizes, most popular first (comma-separated), or auto: "
+                             f"{SIZES_BY_DEVICE['large']} on a card over 100 GiB, else "
+                             f"{SIZES_BY_DEVICE['small']}")
+    args = parser.parse_args(argv)
+    sizes = args.sizes
+    if sizes == "auto":
+        sizes = SIZES_BY_DEVICE["large" if device_total() > LARGE_DEVICE_BYTES else "small"]
+    MODELS[:] = [(f"m{i}-{size}", size) for i, size in enumerate(sizes.split(","))]
+    summary = run(args)
     keys = ("mode", "requests", "served", "failed", "p50_s", "p99_s", "popular_p50_s",
             "popular_p99_s", "trace_s", "peak_used", "used_after_start")
     print(json.dumps({k: summary.get(k) for k in keys}))
