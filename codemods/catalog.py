@@ -47,6 +47,13 @@ from codemods.sglang.profile_max_num_token import (
     ElasticKVProfileMemoryTokens,
     KVBudgetCapacityTokens,
 )
+from codemods.sglang.scheduler_capacity import (
+    SchedulerCapacityAllocatorDecodeCheck,
+    SchedulerCapacityAvailableSizeSufficient,
+    SchedulerCapacityBatchEviction,
+    SchedulerCapacityCheckDecodeMem,
+    SchedulerCapacityRetractReads,
+)
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
 from codemods.sglang.startup_memory_model_runner import (
@@ -109,6 +116,9 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("sglang", "kv-profile-free-memory",
                  note="free memory after the weights load is the KV pools' budget, refused "
                       "when nothing is left"),
+    RequiredSeam("sglang", "scheduler-capacity", versions="<0.5.21",
+                 note="up to 0.5.20 the scheduler reads the free capacity itself for admission, "
+                      "the decode check and eviction; from 0.5.21 it asks the allocator"),
 )
 
 
@@ -144,10 +154,11 @@ CODEMODS: list[CodemodDeclaration] = [
 # (SGLang pages not held, times page_size), which is exactly what the stock free lists report,
 # so the checker, the prefill budget and eviction see the numbers they always did. This is
 # sound because the pools are sized from the kvcached budget (sglang-kv-budget): every token
-# the scheduler admits can be mapped. What it gives up: a shared limit lowered below the
-# engine's capacity at run time (kvctl) is not seen by the scheduler; an allocation the ledger
-# then refuses returns None and takes SGLang's out-of-memory path. Honouring run-time limits
-# would need a physical available_size plus a checker transform. The start-up seams
+# the scheduler admits can be mapped. A limit lowered at run time (kvctl) or a spent budget is
+# seen through a second size, what an allocation can take now: from 0.5.21 the scheduler asks
+# the allocator for its admission budget, eviction and decode check, and the allocator answers
+# with it; up to 0.5.20 the scheduler reads the capacity itself, and sglang-scheduler-capacity
+# points exactly those reads at it (the leak check keeps the logical size). The start-up seams
 # (sglang-startup-free-memory, sglang-kv-profile-free-memory) count the KV elastic neighbours
 # hold while this engine starts as memory they give back: if neighbours are in a burst at the
 # same time as this engine, the same out-of-memory path is taken until they shrink.
@@ -224,6 +235,12 @@ _SGLANG_0513_DATE = "2026-12-02"
 _SGLANG_0510_DATE = "2026-12-02"
 _SGLANG_0517_DATE = "2026-12-04"
 _SGLANG_055_DATE = "2026-12-02"
+_SGLANG_PRESSURE_DATE = "2026-12-06"
+# Where the scheduler reads the allocator's capacity itself (up to 0.5.20):
+# codemods/sglang/scheduler_capacity.py names the scopes of each release.
+_SGLANG_POLICY = "{package}/srt/managers/schedule_policy.py"
+_SGLANG_BATCH = "{package}/srt/managers/schedule_batch.py"
+_SGLANG_COMMON = "{package}/srt/mem_cache/common.py"
 
 CODEMODS += [
     CodemodDeclaration(
@@ -874,6 +891,92 @@ CODEMODS += [
         codemod=BoundRadixTreeOnFinishedRequest,
         forwarded="no",
         last_update=_SGLANG_055_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-scheduler-capacity",
+        seam="scheduler-capacity",
+        engine="sglang",
+        versions=">=0.5.19,<0.5.21",
+        anchor="sglang.srt.managers.schedule_policy.PrefillAdder.rem_total_tokens / "
+               "cur_rem_tokens; sglang.srt.mem_cache.common.evict_from_tree_cache (start)",
+        targets=(_SGLANG_POLICY, _SGLANG_COMMON),
+        expected_hits=5,
+        why=("SGLang up to 0.5.20 admits requests and evicts before an allocation by reading the "
+            "logical free capacity; under a lowered limit or a spent budget the refused "
+            "allocation stops the engine. The reads see what the pool can allocate now and "
+            "the eviction frees what the limit withholds, so requests wait instead."),
+        retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
+        codemod=SchedulerCapacityAllocatorDecodeCheck,
+        forwarded="no",
+        last_update=_SGLANG_PRESSURE_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-scheduler-capacity-check-decode-mem",
+        seam="scheduler-capacity",
+        engine="sglang",
+        versions=">=0.5.9,<0.5.19",
+        anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
+               "sglang-scheduler-capacity's places",
+        targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
+        expected_hits=6,
+        why=("sglang-scheduler-capacity where the decode check reads the capacity itself "
+            "(ScheduleBatch.check_decode_mem), so decode retracts under the limit."),
+        retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
+        codemod=SchedulerCapacityCheckDecodeMem,
+        forwarded="no",
+        last_update=_SGLANG_PRESSURE_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-scheduler-capacity-available-size-sufficient",
+        seam="scheduler-capacity",
+        engine="sglang",
+        versions=">=0.5.7,<0.5.9",
+        anchor="sglang.srt.managers.schedule_batch.ScheduleBatch."
+               "_is_available_size_sufficient, and sglang-scheduler-capacity's places",
+        targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
+        expected_hits=6,
+        why=("sglang-scheduler-capacity where the decode check's read is "
+            "ScheduleBatch._is_available_size_sufficient."),
+        retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
+        codemod=SchedulerCapacityAvailableSizeSufficient,
+        forwarded="no",
+        last_update=_SGLANG_PRESSURE_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-scheduler-capacity-retract-reads",
+        seam="scheduler-capacity",
+        engine="sglang",
+        versions=">=0.5.3,<0.5.7",
+        anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode, "
+               "ScheduleBatch._is_available_size_sufficient, and sglang-scheduler-capacity's "
+               "places",
+        targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
+        expected_hits=8,
+        why=("sglang-scheduler-capacity-available-size-sufficient where retract_decode also "
+            "reads the capacity itself (its one-request floor)."),
+        retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
+        codemod=SchedulerCapacityRetractReads,
+        forwarded="no",
+        last_update=_SGLANG_PRESSURE_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-scheduler-capacity-batch-eviction",
+        seam="scheduler-capacity",
+        engine="sglang",
+        versions=">=0.4.10,<0.5.3",
+        anchor="sglang.srt.managers.schedule_policy.PrefillAdder.rem_total_tokens / "
+               "cur_rem_tokens; ScheduleBatch._is_available_size_sufficient, retract_decode, "
+               "_evict_tree_cache_if_needed (start)",
+        targets=(_SGLANG_POLICY, _SGLANG_BATCH),
+        expected_hits="6..7",
+        why=("sglang-scheduler-capacity-retract-reads where ScheduleBatch evicts before an "
+            "allocation in its own _evict_tree_cache_if_needed (no "
+            "mem_cache/common.py::evict_from_tree_cache yet); retract_decode reads through "
+            "a nested _get_available_size up to 0.5.1."),
+        retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
+        codemod=SchedulerCapacityBatchEviction,
+        forwarded="no",
+        last_update=_SGLANG_PRESSURE_DATE,
     ),
 ]
 # --- end of SGLang ----------------------------------------------------------------------------

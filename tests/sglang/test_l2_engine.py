@@ -20,12 +20,18 @@ from tests.sglang.envs import INSIDE, engine_env
 
 PAGE = 4096
 BUFFERS_PER_PAGE = 2 * 2  # 2 layers x (K, V): bytes one ledger page maps
+# 64 tokens a ledger page (2 KV heads x 16 dims x 2 bytes a token and buffer): the null
+# block's page and two more hold about three of the burst's ten requests (40 - 54 tokens).
+LOWERED_LIMIT_PAGES = 3
 
 
-def run_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool) -> dict:
+def run_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool,
+               lowered_limit: int | None = None) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / "result.json"
+    limit = [] if lowered_limit is None else [str(lowered_limit)]
     run = subprocess.run(
-        [str(venv.python), str(INSIDE / "run_engine.py"), str(model), str(out)],
+        [str(venv.python), str(INSIDE / "run_engine.py"), str(model), str(out), *limit],
         env=engine_env(tmp, elastic=elastic), capture_output=True, text=True, timeout=400,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-6000:]
@@ -41,12 +47,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv)
     return out
 
 
+@pytest.fixture(scope="module")
+def stock_run(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv,
+              tiny_model: Path) -> dict:
+    return run_engine(stock_venv, tiny_model, tmp_path_factory.mktemp("stock"), elastic=False)
+
+
 def test_patched_engine_matches_stock_and_memory_follows_demand(
-        stock_venv: EngineVenv, patched_venv: EngineVenv, tiny_model: Path,
-        tmp_path: Path) -> None:
-    (tmp_path / "stock").mkdir()
-    (tmp_path / "patched").mkdir()
-    stock = run_engine(stock_venv, tiny_model, tmp_path / "stock", elastic=False)
+        stock_run: dict, patched_venv: EngineVenv, tiny_model: Path, tmp_path: Path) -> None:
+    stock = stock_run
     patched = run_engine(patched_venv, tiny_model, tmp_path / "patched", elastic=True)
 
     assert patched["outputs"] == stock["outputs"]
@@ -60,5 +69,22 @@ def test_patched_engine_matches_stock_and_memory_follows_demand(
     page = PAGE * BUFFERS_PER_PAGE
     assert kv["before"] == page  # only the padding page before any request
     assert kv["peak"] >= kv["before"] + 3 * page  # the burst mapped pages
+    assert kv["peak"] > LOWERED_LIMIT_PAGES * page  # more than the next test's limit holds
     assert kv["idle"] < kv["peak"]  # and idle gave them back, down to the bound
     assert kv["idle"] <= kv["before"] + 4 * page
+
+
+def test_a_limit_below_the_burst_makes_requests_wait_not_fail(
+        stock_run: dict, patched_venv: EngineVenv, tiny_model: Path, tmp_path: Path) -> None:
+    """`kvctl limit` lowered to less than a burst's working set before the burst: every
+    request still completes with the stock engine's tokens (requests wait for the limit, the
+    prefix cache is evicted under it, running requests are retracted; none takes SGLang's
+    out-of-memory stop), and the pool never holds more than the limit."""
+    page = PAGE * BUFFERS_PER_PAGE
+    limit = LOWERED_LIMIT_PAGES * page
+    patched = run_engine(patched_venv, tiny_model, tmp_path / "lowered", elastic=True,
+                         lowered_limit=limit)
+    assert patched["outputs"] == stock_run["outputs"]
+    assert patched["completion_tokens"] == [12] * 11
+    lowered = patched["lowered"]
+    assert lowered["burst_peak"] is not None and lowered["burst_peak"] <= limit

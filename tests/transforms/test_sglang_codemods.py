@@ -52,6 +52,10 @@ from codemods.sglang.profile_max_num_token import (
     ElasticKVProfileMemoryTokens,
     KVBudgetCapacityTokens,
 )
+from codemods.sglang.scheduler_capacity import (
+    SchedulerCapacityAllocatorDecodeCheck,
+    SchedulerCapacityBatchEviction,
+)
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
 from codemods.sglang.startup_memory_model_runner import (
@@ -331,6 +335,7 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
                     "sglang-startup-free-memory-model-runner"}
     # every SGLang cell from 0.5.10 takes the same one; the rest are one variant of a seam
     # that moved
+    check_decode_mem = "sglang-scheduler-capacity-check-decode-mem"
     same_everywhere = {"sglang-mla-pool", "sglang-prefix-cache-bound"}
     variants = {
         "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory", *newer_api, *configurator},
@@ -339,36 +344,39 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
         "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api,
                    *configurator},
         "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   *newer_api, *configurator},
+                   "sglang-scheduler-capacity", *newer_api, *configurator},
         # 0.5.17 - 0.5.19 mix the two allocator APIs: 0.5.20's guard, a paged variant that
         # ends in _release_page_ids, and the token allocator of their own free group
         "0.5.19": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
-                   "sglang-token-allocator-free-group-none", *configurator},
+                   "sglang-token-allocator-free-group-none", "sglang-scheduler-capacity",
+                   *configurator},
         "0.5.18": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
-                   "sglang-token-allocator-copies-deferred", *configurator},
+                   "sglang-token-allocator-copies-deferred", check_decode_mem, *configurator},
         "0.5.17": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
-                   "sglang-token-allocator-free-group-flag", *configurator},
+                   "sglang-token-allocator-free-group-flag", check_decode_mem, *configurator},
         "0.5.16": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   "sglang-refuse-unsupported-server-args", *older_api, *configurator},
-        "0.5.13": {"sglang-mha-pool-inline-buffers", *older_api, *model_runner},
+                   "sglang-refuse-unsupported-server-args", check_decode_mem, *older_api,
+                   *configurator},
+        "0.5.13": {"sglang-mha-pool-inline-buffers", check_decode_mem, *older_api,
+                   *model_runner},
         "0.5.12.post1": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
-                         "sglang-paged-allocator-one-module", *model_runner},
+                         "sglang-paged-allocator-one-module", check_decode_mem, *model_runner},
         "0.5.11": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
-                   "sglang-paged-allocator-counts-its-pages", *model_runner},
+                   "sglang-paged-allocator-counts-its-pages", check_decode_mem, *model_runner},
         "0.5.10": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
                    "sglang-paged-allocator-counts-its-pages", "sglang-kv-budget-tokens",
                    "sglang-kv-profile-free-memory-tokens",
                    "sglang-refuse-unsupported-model-runner",
-                   "sglang-startup-free-memory-model-runner"},
+                   "sglang-startup-free-memory-model-runner", check_decode_mem},
         # the KV mixin of 0.5.9 imports no envs: its guard imports it
         "0.5.9": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
                   "sglang-paged-allocator-counts-its-pages", "sglang-kv-budget-tokens",
                   "sglang-kv-profile-free-memory-tokens",
                   "sglang-refuse-unsupported-mixin-envs-local",
-                  "sglang-startup-free-memory-model-runner"},
+                  "sglang-startup-free-memory-model-runner", check_decode_mem},
     }
     # 0.5.6 - 0.5.8: the MLA pool of 0.5.9 on, the tree's own bound of 0.5.5 and before;
     # the runner sizes the pools in 0.5.6 (its guard with 0.5.7's settings), the KV mixin
@@ -378,19 +386,24 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
            "sglang-startup-free-memory-model-runner", "sglang-prefix-cache-bound-radix-tree"}
     variants["0.5.8.post1"] = variants["0.5.7"] = mid | {
         "sglang-kv-budget-tokens", "sglang-kv-profile-free-memory-tokens",
-        "sglang-refuse-unsupported-mixin-envs-local"}
+        "sglang-refuse-unsupported-mixin-envs-local",
+        "sglang-scheduler-capacity-available-size-sufficient"}
     variants["0.5.6.post2"] = mid | {"sglang-kv-budget-runner",
                                      "sglang-kv-profile-free-memory-runner",
-                                     "sglang-refuse-unsupported-runner-swa"}
+                                     "sglang-refuse-unsupported-runner-swa",
+                                     "sglang-scheduler-capacity-retract-reads"}
     oldest = {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
               "sglang-paged-allocator-counts-its-pages", "sglang-mla-pool-refused-inline",
               "sglang-kv-budget-runner", "sglang-kv-profile-free-memory-runner",
               "sglang-refuse-unsupported-runner", "sglang-startup-free-memory-model-runner",
-              "sglang-prefix-cache-bound-radix-tree"}
+              "sglang-prefix-cache-bound-radix-tree", "sglang-scheduler-capacity-retract-reads"}
     # before 0.5.3 the paged allocator gets device lengths only, before 0.5.2 no Mamba pools
+    # (and ScheduleBatch evicts in its own method)
     before_mamba = oldest - {"sglang-paged-allocator-counts-its-pages",
-                             "sglang-refuse-unsupported-runner"} | {
-        "sglang-paged-allocator-device-lengths", "sglang-refuse-unsupported-runner-before-mamba"}
+                             "sglang-refuse-unsupported-runner",
+                             "sglang-scheduler-capacity-retract-reads"} | {
+        "sglang-paged-allocator-device-lengths", "sglang-refuse-unsupported-runner-before-mamba",
+        "sglang-scheduler-capacity-batch-eviction"}
     # 0.5.2 has linear-attention (GDN) pools before the runner's mambaish_config
     gdn = before_mamba - {"sglang-refuse-unsupported-runner-before-mamba"} | {
         "sglang-refuse-unsupported-runner-gdn"}
@@ -411,3 +424,57 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
         assert not transform.applies_to("sglang", "0.4.9")
         assert not transform.applies_to("sglang", "0.5.24")
         assert not transform.applies_to("vllm", "0.5.23")
+
+
+@pytest.mark.parametrize(("codemod", "transform_id", "hits"), [
+    (SchedulerCapacityAllocatorDecodeCheck, "sglang-scheduler-capacity", 3),
+    # the read in a function nested in retract_decode counts; the import goes in the method
+    (SchedulerCapacityBatchEviction, "sglang-scheduler-capacity-batch-eviction", 4),
+])
+def test_scheduler_capacity_rewrites_the_decisions_and_nothing_else(
+        codemod: type[HitCountingCodemod], transform_id: str, hits: int) -> None:
+    command, code = run(codemod, fixture(transform_id))
+    assert (command.hits, command.already_applied) == (hits, 0)
+    assert code == fixture(transform_id, "after.py")
+    compile(code, transform_id, "exec")
+    again, same = run(codemod, code)
+    assert (again.hits, same) == (0, code) and again.already_applied > 0
+    if transform_id == "sglang-scheduler-capacity":
+        # the hybrid branch's full_available_size() and a metrics read stay as they were
+        assert "self.token_to_kv_pool_allocator.full_available_size()" in code
+        assert "return self.token_to_kv_pool_allocator.available_size()" in code
+
+
+def test_scheduler_capacity_helpers_see_the_limit_and_leave_stock_allocators_alone() -> None:
+    from kvcached_core.integration.sglang.capacity import allocatable_size, evict_under_limit
+
+    class StockAllocator:
+        def available_size(self) -> int:
+            return 100
+
+    class ElasticAllocator(StockAllocator):
+        allocatable = -8  # the pool holds 8 slots more than a lowered limit allows
+
+        def kvcached_allocatable_size(self) -> int:
+            return self.allocatable
+
+    class Tree:
+        def __init__(self, allocator: object) -> None:
+            self.token_to_kv_pool_allocator = allocator
+            self.evicted: list[int] = []
+
+        def evictable_size(self) -> int:
+            return 64
+
+        def evict(self, num_tokens: int) -> None:  # the token-count API before 0.5.9
+            self.evicted.append(num_tokens)
+
+    assert allocatable_size(StockAllocator()) == 100
+    assert allocatable_size(ElasticAllocator()) == -8
+    stock = Tree(StockAllocator())
+    evict_under_limit(stock, 10)
+    assert stock.evicted == []  # SGLang's own eviction is exact for a stock allocator
+    elastic = Tree(ElasticAllocator())
+    evict_under_limit(elastic, 10)
+    assert elastic.evicted == [18]  # the 10 asked for and the 8 the limit withholds
+    evict_under_limit(None, 10)  # no tree: nothing to do

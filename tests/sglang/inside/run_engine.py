@@ -1,9 +1,14 @@
 """Run one SGLang CPU engine on a fixed workload; write what it did as JSON.
 
-Run inside an SGLang test venv: `python run_engine.py MODEL_DIR OUT_JSON`. The workload is a
-burst with shared prefixes (prefix-cache hits), then idle, then one more request sharing the
-prefix. While it runs, the KV pages the elastic pool holds are sampled from the pool's limit
-record (`KVCACHED_SHM_DIR`): none exist for a stock engine.
+Run inside an SGLang test venv: `python run_engine.py MODEL_DIR OUT_JSON [LIMIT_BYTES]`. The
+workload is a burst with shared prefixes (prefix-cache hits), then idle, then one more request
+sharing the prefix. While it runs, the KV pages the elastic pool holds are sampled from the
+pool's limit record (`KVCACHED_SHM_DIR`): none exist for a stock engine.
+
+With LIMIT_BYTES (elastic engines), the pool's limit is lowered to it before the burst, as
+`kvctl limit` would, and raised back after it: the burst must then run under a limit smaller
+than its working set. (The CPU engine admits the whole burst in its first prefill batch, so a
+limit lowered once the burst has begun would find its pages already mapped.)
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ class KVSampler:
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def set_limits(limit_bytes: int) -> None:
+        """Limit every pool of the engine, as `kvctl limit` does."""
+        from kvcached_core.limits import list_records, set_limit
+
+        for record in list_records():
+            if record.pool.startswith("sglang-"):
+                set_limit(record.pool, limit_bytes)
 
     def now(self) -> int | None:
         if not os.environ.get("KVCACHED_SHM_DIR"):
@@ -59,7 +73,7 @@ def engine_kwargs(model: str) -> dict[str, Any]:
             "skip_server_warmup": True, "random_seed": 0}
 
 
-def main(model: str, out: str) -> None:
+def main(model: str, out: str, lowered_limit: int | None = None) -> None:
     import sglang
 
     shared = " ".join(f"w{j}" for j in range(40))
@@ -77,7 +91,14 @@ def main(model: str, out: str) -> None:
     try:
         with KVSampler() as sampler:
             before = sampler.now()
+            if lowered_limit is not None:
+                sampler.set_limits(lowered_limit)
+                time.sleep(0.5)  # the pool's limit watcher polls the record every 0.1 s
+            burst_began = len(sampler.samples)
             first = engine.generate(burst, PARAMS)
+            during_burst = [v for _, v in sampler.samples[burst_began:]]
+            if lowered_limit is not None:
+                sampler.set_limits(1 << 40)  # as high as the pool's capacity allows
             time.sleep(0.5)
             idle = sampler.now()
             again = engine.generate([f"{shared} w200 w201"], PARAMS)
@@ -91,10 +112,13 @@ def main(model: str, out: str) -> None:
             "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in first + again],
             "kv_bytes": {"before": before, "peak": peak, "idle": idle},
         }
+        if lowered_limit is not None:
+            result["lowered"] = {"limit": lowered_limit,
+                                 "burst_peak": max(during_burst, default=None)}
     finally:
         engine.shutdown()
     Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
