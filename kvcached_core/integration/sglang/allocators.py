@@ -17,6 +17,8 @@ Two sizes, because SGLang asks two questions:
   eviction before an allocation (`evict_to_free_tokens`) and the decode check
   (`check_decode_capacity`, which retraction converges on) all use this size, so a lowered
   limit makes the scheduler wait, evict or retract instead of taking its out-of-memory path.
+  Up to 0.5.20 the scheduler reads the capacity itself; its reads call `capacity.py`, which
+  answers with this size.
 
 A pool's physical region is whole pages, so its last page may hold blocks past SGLang's last
 page id. The ledger hands those out only when nothing lower is free; they are parked (held,
