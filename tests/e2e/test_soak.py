@@ -19,7 +19,7 @@ from pathlib import Path
 from tests.proof_cells import ROOT
 
 # `nox -s soak -- SECONDS` (the scheduled workflow) sets these: the long run, its report kept.
-DURATION_S = float(os.environ.get("KVCACHED_SOAK_SECONDS", "100"))
+DURATION_S = float(os.environ.get("KVCACHED_SOAK_SECONDS", "120"))
 OUT_DIR = os.environ.get("KVCACHED_SOAK_OUT")
 KILL_EVERY_S = 35 if DURATION_S < 600 else 300  # at least two kills in the short run
 CORRUPT_EVERY_S = 40 if DURATION_S < 600 else 120

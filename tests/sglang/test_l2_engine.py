@@ -4,7 +4,8 @@
 One tiny random Llama, one workload (a burst with shared prefixes, idle, one more request on
 the shared prefix). Greedy output must be token-identical, the prefix cache must hit, the
 patched engine's mapped KV pages must grow with the burst and shrink when idle, and no
-function of the sgl_kernel import shim may have run.
+function of the sgl_kernel import shim may have run. The same burst under a limit lowered below
+its working set must keep the stock tokens and stay within the limit.
 """
 
 from __future__ import annotations
