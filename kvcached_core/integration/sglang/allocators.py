@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted, StateConsistencyError
+from kvcached_core.integration.sglang.capacity import evict_under_limit
 from kvcached_core.integration.sglang.pools import kvcached_pool_of, refuse_unless_leaf
 from kvcached_core.integration.sglang.prefix_cache import shares_prefixes
 
@@ -271,14 +272,8 @@ class _ElasticAllocatorCommon:
         """SGLang's eviction before an allocation, then more until `num_tokens` are
         allocatable under the physical limit (evicting frees pages the limit counts)."""
         result = super().evict_to_free_tokens(tree_cache, num_tokens)  # type: ignore[misc]
-        if not shares_prefixes(tree_cache):
-            return result
-        shortfall = num_tokens - self.kvcached_allocatable_size()
-        if shortfall > 0 and tree_cache.evictable_size() > 0:
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-            evict = getattr(tree_cache, "evict_for_alloc", tree_cache.evict)
-            evict(EvictParams(num_tokens=shortfall))
+        if shares_prefixes(tree_cache):
+            evict_under_limit(tree_cache, num_tokens)
         return result
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
