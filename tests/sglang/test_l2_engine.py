@@ -5,7 +5,8 @@ One tiny random Llama, one workload (a burst with shared prefixes, idle, one mor
 the shared prefix). Greedy output must be token-identical, the prefix cache must hit, the
 patched engine's mapped KV pages must grow with the burst and shrink when idle, and no
 function of the sgl_kernel import shim may have run. The same burst under a limit lowered below
-its working set must keep the stock tokens and stay within the limit.
+its working set, and two engines bursting together under one budget smaller than their working
+sets, must keep the stock tokens and stay within the limit and the budget.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,11 +28,16 @@ BUFFERS_PER_PAGE = 2 * 2  # 2 layers x (K, V): bytes one ledger page maps
 LOWERED_LIMIT_PAGES = 3
 
 
+# Two engines' null-block pages and three more: together the two bursts need about twice
+# the pages one lowered limit allows (see above).
+SHARED_BUDGET_PAGES = 5
+
+
 def run_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool,
                lowered_limit: int | None = None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / "result.json"
-    limit = [] if lowered_limit is None else [str(lowered_limit)]
+    limit = [] if lowered_limit is None else ["--limit", str(lowered_limit)]
     run = subprocess.run(
         [str(venv.python), str(INSIDE / "run_engine.py"), str(model), str(out), *limit],
         env=engine_env(tmp, elastic=elastic), capture_output=True, text=True, timeout=400,
@@ -38,6 +45,32 @@ def run_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool,
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-6000:]
     assert not (tmp / "shim-calls.log").exists(), (tmp / "shim-calls.log").read_text()
     return json.loads(out.read_text())
+
+
+def run_engines_under_one_budget(venv: EngineVenv, model: Path, tmp: Path, *, engines: int,
+                                 budget_bytes: int) -> list[dict[str, Any]]:
+    """`engines` patched engines in one budget of `budget_bytes`, bursting together."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = engine_env(tmp, elastic=True)
+    env["KVCACHED_BUDGET"] = "l2"
+    set_budget = ("import sys; from kvcached_core.budget import set_budget; "
+                  "set_budget('l2', int(sys.argv[1]))")
+    subprocess.run([str(venv.python), "-c", set_budget, str(budget_bytes)], env=env,
+                   check=True, capture_output=True, timeout=60)
+    outs = [tmp / f"result-{i}.json" for i in range(engines)]
+    running = [subprocess.Popen(
+        [str(venv.python), str(INSIDE / "run_engine.py"), str(model), str(out),
+         "--barrier", str(tmp / "started"), "--parties", str(engines)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for out in outs]
+    try:
+        logs = [process.communicate(timeout=500)[0] for process in running]
+    finally:
+        for process in running:
+            process.kill()
+    for process, log in zip(running, logs, strict=True):
+        assert process.returncode == 0, log[-8000:]
+    assert not (tmp / "shim-calls.log").exists(), (tmp / "shim-calls.log").read_text()
+    return [json.loads(out.read_text()) for out in outs]
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +122,23 @@ def test_a_limit_below_the_burst_makes_requests_wait_not_fail(
     assert patched["completion_tokens"] == [12] * 11
     lowered = patched["lowered"]
     assert lowered["burst_peak"] is not None and lowered["burst_peak"] <= limit
+
+
+def test_two_engines_under_a_budget_below_their_bursts_wait_not_fail(
+        stock_run: dict, patched_venv: EngineVenv, tiny_model: Path, tmp_path: Path) -> None:
+    """Two engines in one budget (`KVCACHED_BUDGET`) that holds less than their bursts'
+    working sets together, bursting at once: both serve every request with the stock tokens
+    (each waits for pages the other gives back, evicts its prefix cache and retracts under
+    the budget; neither takes SGLang's out-of-memory stop), and together they never hold
+    more than the budget."""
+    page = PAGE * BUFFERS_PER_PAGE
+    budget = SHARED_BUDGET_PAGES * page
+    runs = run_engines_under_one_budget(patched_venv, tiny_model, tmp_path / "budget",
+                                        engines=2, budget_bytes=budget)
+    for run in runs:
+        assert run["outputs"] == stock_run["outputs"]
+        assert run["completion_tokens"] == [12] * 11
+    peaks = [run["budget"]["burst_peak_charged"] for run in runs]
+    assert all(peak is not None and peak <= budget for peak in peaks), (peaks, budget)
+    # The budget bound them: together they filled it during the bursts.
+    assert max(peaks) >= budget - page, (peaks, budget)

@@ -1,22 +1,29 @@
 """Run one SGLang CPU engine on a fixed workload; write what it did as JSON.
 
-Run inside an SGLang test venv: `python run_engine.py MODEL_DIR OUT_JSON [LIMIT_BYTES]`. The
-workload is a burst with shared prefixes (prefix-cache hits), then idle, then one more request
-sharing the prefix. While it runs, the KV pages the elastic pool holds are sampled from the
-pool's limit record (`KVCACHED_SHM_DIR`): none exist for a stock engine.
+Run inside an SGLang test venv:
 
-With LIMIT_BYTES (elastic engines), the pool's limit is lowered to it before the burst, as
+    python run_engine.py MODEL_DIR OUT_JSON [--limit BYTES] [--barrier DIR --parties N]
+
+The workload is a burst with shared prefixes (prefix-cache hits), then idle, then one more
+request sharing the prefix. While it runs, the KV pages the elastic pool holds are sampled from
+the pool's limit record (`KVCACHED_SHM_DIR`): none exist for a stock engine.
+
+With `--limit` (elastic engines), the pool's limit is lowered to it before the burst, as
 `kvctl limit` would, and raised back after it: the burst must then run under a limit smaller
 than its working set. (The CPU engine admits the whole burst in its first prefill batch, so a
 limit lowered once the burst has begun would find its pages already mapped.)
+
+With `--barrier`, the engine starts its burst only once N engines have started (each leaves a
+file in DIR), so that engines sharing a budget (`KVCACHED_BUDGET`) burst together; the
+budget's charge is then sampled too.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +37,7 @@ class KVSampler:
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, int]] = []
+        self.budget_samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -41,6 +49,16 @@ class KVSampler:
         for record in list_records():
             if record.pool.startswith("sglang-"):
                 set_limit(record.pool, limit_bytes)
+
+    @staticmethod
+    def budget_charged() -> int | None:
+        """What every member of the engine's budget holds (None: no budget)."""
+        name = os.environ.get("KVCACHED_BUDGET")
+        if not name:
+            return None
+        from kvcached_core.budget import read_budget
+
+        return read_budget(name).charged_bytes
 
     def now(self) -> int | None:
         if not os.environ.get("KVCACHED_SHM_DIR"):
@@ -55,6 +73,9 @@ class KVSampler:
             value = self.now()
             if value is not None:
                 self.samples.append((time.monotonic(), value))
+            charged = self.budget_charged()
+            if charged is not None:
+                self.budget_samples.append((time.monotonic(), charged))
 
     def __enter__(self) -> KVSampler:
         self._thread.start()
@@ -73,7 +94,20 @@ def engine_kwargs(model: str) -> dict[str, Any]:
             "skip_server_warmup": True, "random_seed": 0}
 
 
-def main(model: str, out: str, lowered_limit: int | None = None) -> None:
+def wait_for_parties(barrier: Path, parties: int, timeout_s: float = 600.0) -> None:
+    """Leave this engine's file in `barrier`, then wait until `parties` engines have."""
+    barrier.mkdir(parents=True, exist_ok=True)
+    (barrier / str(os.getpid())).touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(barrier.iterdir())) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(barrier.iterdir()))} of {parties} engines "
+                               f"started within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def main(model: str, out: str, lowered_limit: int | None = None,
+         barrier: Path | None = None, parties: int = 1) -> None:
     import sglang
 
     shared = " ".join(f"w{j}" for j in range(40))
@@ -94,9 +128,13 @@ def main(model: str, out: str, lowered_limit: int | None = None) -> None:
             if lowered_limit is not None:
                 sampler.set_limits(lowered_limit)
                 time.sleep(0.5)  # the pool's limit watcher polls the record every 0.1 s
+            if barrier is not None:
+                wait_for_parties(barrier, parties)
             burst_began = len(sampler.samples)
+            budget_began = len(sampler.budget_samples)
             first = engine.generate(burst, PARAMS)
             during_burst = [v for _, v in sampler.samples[burst_began:]]
+            budget_during_burst = [v for _, v in sampler.budget_samples[budget_began:]]
             if lowered_limit is not None:
                 sampler.set_limits(1 << 40)  # as high as the pool's capacity allows
             time.sleep(0.5)
@@ -115,10 +153,19 @@ def main(model: str, out: str, lowered_limit: int | None = None) -> None:
         if lowered_limit is not None:
             result["lowered"] = {"limit": lowered_limit,
                                  "burst_peak": max(during_burst, default=None)}
+        if sampler.budget_samples:
+            result["budget"] = {"burst_peak_charged": max(budget_during_burst, default=None)}
     finally:
         engine.shutdown()
     Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--barrier", type=Path, default=None)
+    parser.add_argument("--parties", type=int, default=1)
+    args = parser.parse_args()
+    main(args.model, args.out, args.limit, args.barrier, args.parties)
