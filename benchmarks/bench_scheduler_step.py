@@ -1,7 +1,7 @@
 """CPU time of vLLM's scheduler step, stock against patched (elastic block pool), same run.
 
     python benchmarks/bench_scheduler_step.py [--cell vllm-0.25] [--requests 128] \
-        [--steps 400] [--rounds 6]
+        [--steps 400] [--rounds 6] [--window-groups 6 --window 1024]
 
 The GPU throughput benchmark sees the patched engine a few percent behind stock; this one
 isolates what the patched scheduler adds per step on the host, where nothing else differs.
@@ -10,8 +10,11 @@ cell's contract venv (tests/contract) with a scheduler and no model: `--requests
 96-token prompts are admitted, then every step schedules them, hands back one sampled token
 each (as the model runner would) and, on the patched tree, ends the step as EngineCore's
 wrapper does (`on_step_end`: page release, retire markers). Rounds alternate stock and patched
-(ABBA); each reports the median step time over its decode steps. Prints the per-round medians
-and the ratio patched / stock of their medians.
+(ABBA); each reports the median step time over its decode steps and the time of its first 4
+steps (admission). Prints the per-round figures and the ratios patched / stock of their medians.
+`--window-groups N` gives the scheduler a hybrid model's KV cache groups instead of one: a
+full-attention group and N sliding-window groups (`--window` tokens) on one block pool, as
+vLLM's hybrid manager makes them for Gemma 3.
 """
 
 from __future__ import annotations
@@ -37,9 +40,27 @@ from utils import create_requests, create_scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
 requests_n, steps, elastic = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+window_groups, window = int(sys.argv[5]), int(sys.argv[6])
+num_blocks = (requests_n * 64 + 64) * (1 + window_groups)
 scheduler = create_scheduler(max_num_seqs=requests_n, max_num_batched_tokens=16384,
-                             num_blocks=requests_n * 64 + 64, block_size=16,
-                             max_model_len=2048)
+                             num_blocks=num_blocks, block_size=16, max_model_len=2048)
+if window_groups:
+    # A hybrid model's groups (Gemma 3: one full-attention group beside sliding-window ones),
+    # every group's blocks drawn from the one block pool, as vLLM's hybrid manager does.
+    import torch
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec, SlidingWindowSpec)
+    shape = dict(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(**shape))]
+    groups += [KVCacheGroupSpec([f"window.{g}"], SlidingWindowSpec(sliding_window=window,
+                                                                    **shape))
+               for g in range(window_groups)]
+    scheduler = type(scheduler)(
+        vllm_config=scheduler.vllm_config,
+        kv_cache_config=KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                      kv_cache_groups=groups),
+        block_size=16, log_stats=True,
+        structured_output_manager=scheduler.structured_output_manager)
 for request in create_requests(requests_n, num_tokens=96, max_tokens=steps + 8):
     scheduler.add_request(request)
 pool = scheduler.kv_cache_manager.block_pool
@@ -74,7 +95,8 @@ if profile is not None:
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
     print(text.getvalue(), file=sys.stderr)
-print(json.dumps({"median_us": statistics.median(decode) * 1e6, "steps": len(decode)}))
+print(json.dumps({"median_us": statistics.median(decode) * 1e6, "steps": len(decode),
+                  "admission_us": sum(times[:4]) * 1e6}))
 """
 
 
@@ -84,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--window-groups", type=int, default=0,
+                        help="sliding-window KV cache groups beside the full-attention one "
+                             "(a hybrid model such as Gemma 3)")
+    parser.add_argument("--window", type=int, default=1024,
+                        help="their window in tokens")
     parser.add_argument("--profile", action="store_true",
-                        help="print where the patched tree's decode steps spend their time")
+                        help="print where each tree's decode steps spend their time")
     args = parser.parse_args(argv)
 
     from forge.matrix import load_matrix
@@ -108,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         imports.mkdir()
         (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
         medians: dict[str, list[float]] = {"stock": [], "patched": []}
+        admissions: dict[str, list[float]] = {"stock": [], "patched": []}
         for index in range(args.rounds):
             order = ("stock", "patched") if index % 2 == 0 else ("patched", "stock")
             for flavour in order:
@@ -121,23 +149,30 @@ def main(argv: list[str] | None = None) -> int:
                 done = subprocess.run(
                     [str(python), "-c", CHILD, str(args.requests), str(args.steps),
                      "1" if flavour == "patched" else "0",
-                     "1" if args.profile and flavour == "patched" else "0"],
+                     "1" if args.profile else "0",
+                     str(args.window_groups), str(args.window)],
                     cwd=trees[flavour], env=env, capture_output=True, text=True, check=False)
                 if done.returncode != 0:
                     print(done.stderr[-3000:], file=sys.stderr)
                     return 1
-                if args.profile and flavour == "patched":
+                if args.profile:
                     print(done.stderr[-6000:])
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 medians[flavour].append(result["median_us"])
+                admissions[flavour].append(result["admission_us"])
                 print(f"round {index} {flavour}: {result['median_us']:.0f} us per step "
-                      f"({result['steps']} decode steps, {args.requests} requests)", flush=True)
+                      f"({result['steps']} decode steps, {args.requests} requests), "
+                      f"{result['admission_us']:.0f} us for the first 4 (admission)", flush=True)
         stock, patched = statistics.median(medians["stock"]), statistics.median(medians["patched"])
         print(json.dumps({"cell": cell.name, "requests": args.requests,
+                          "window_groups": args.window_groups,
                           "stock_us_per_step": round(stock, 1),
                           "patched_us_per_step": round(patched, 1),
                           "ratio": round(patched / stock, 3),
-                          "added_us_per_step": round(patched - stock, 1)}))
+                          "added_us_per_step": round(patched - stock, 1),
+                          "admission_ratio": round(statistics.median(admissions["patched"])
+                                                   / statistics.median(admissions["stock"]), 3)
+                          }))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
