@@ -59,8 +59,10 @@ def tests(session: nox.Session) -> None:
     record check, and the heavy proofs of the newest supported cell of each engine."""
     session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
     _install_runtime(session)
-    # The 20 slowest tests close every run, above the summary line: where CI time goes.
-    session.run("python", "-m", "pytest", "--durations=20", *session.posargs)
+    # The 20 slowest tests close every run, above the summary line: where CI time goes. One
+    # worker per core; tests/conftest.py says which tests share a worker and why.
+    session.run("python", "-m", "pytest", "--durations=20", "-n", "auto", "--dist", "loadscope",
+                "--no-loadscope-reorder", *session.posargs)
 
 
 @nox.session(python=PYTHON, tags=["soak"], default=False)
@@ -266,7 +268,7 @@ def _make_cell_sessions(cell: dict) -> None:
         session.install("torch==2.13.0", *FORGE_DEPS, *TEST_DEPS)
         _install_runtime(session)
         session.run("python", "-m", "pytest", "tests/cells", f"--cell={name}", "--heavy=all",
-                    f"--dist={ROOT / 'dist' / name}", *session.posargs)
+                    f"--built-dist={ROOT / 'dist' / name}", *session.posargs)
 
     test.__doc__ = f"Prove cell {name} on the wheels in dist/{name}/."
 

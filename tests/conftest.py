@@ -1,11 +1,12 @@
 """Options every proof suite shares: `--cell NAME` (repeatable) selects matrix cells in
-tests/cells, tests/contract and tests/sglang alike; `--dist DIR` proves an earlier build;
+tests/cells, tests/contract and tests/sglang alike; `--built-dist DIR` proves an earlier build;
 `--heavy` picks the cells whose heavy proofs run; `--proof-results DIR` collects what the
 heavy proofs measured (docs/testing.md)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ HEAVY_CHOICES = ("newest", "all", "none")
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cell", action="append", default=[],
                      help="prove only this matrix cell (repeatable; default: every cell)")
-    parser.addoption("--dist", default=None, help="dist dir of an earlier build of --cell")
+    parser.addoption("--built-dist", default=None, help="dist dir of an earlier build of --cell")
     parser.addoption("--heavy", choices=HEAVY_CHOICES, default="newest",
                      help="cells whose heavy proofs (full build, L1, L2) run: the newest "
                           "supported cell of each engine (default), every selected cell, or "
@@ -34,3 +35,61 @@ def pytest_configure(config: pytest.Config) -> None:
 
         proof_matrix_path()
         proof_registry()
+
+
+
+# Which tests share one xdist worker (`nox -s tests` runs `pytest -n auto --dist loadscope`, and
+# with `--dist loadscope` the groups below are xdist's scopes):
+# - "checkout": the tests that write into the checkout itself (the e2e tests publish into dist/
+#   and build the README's engine venv; test_readme and test_workflows run nox sessions, which
+#   install the runtime editable and so rebuild its extension in place): two at once would
+#   write the same files;
+# - one group per proof suite whose session-scoped environments are built for the run (SGLang
+#   venvs, vLLM contract trees, cell builds): on one worker they are built once;
+# - every other module is its own group, so its module-scoped fixtures are built once.
+# A worker takes its next group when the one it runs is nearly done, in collection order, which
+# puts the longest groups first (`--no-loadscope-reorder` keeps that order): the longest starts
+# at once on one worker while the others work through the rest.
+_WRITES_TO_CHECKOUT = ("e2e/", "forge/test_readme.py", "forge/test_workflows.py")
+_SUITE_GROUPS = ("sglang/", "contract/", "cells/")
+_GROUP_ORDER = ("checkout", "sglang", "contract", "cells")
+
+
+def worker_group(path: str) -> str:
+    """The group of a test module, `path` relative to tests/."""
+    if path.startswith(_WRITES_TO_CHECKOUT):
+        return "checkout"
+    for suite in _SUITE_GROUPS:
+        if path.startswith(suite):
+            return suite.rstrip("/")
+    return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = config.rootpath / "tests"
+    rank = {name: index for index, name in enumerate(_GROUP_ORDER)}
+
+    def order(item: pytest.Item) -> int:
+        if not item.path.is_relative_to(tests_dir):
+            return len(rank)
+        return rank.get(worker_group(item.path.relative_to(tests_dir).as_posix()), len(rank))
+
+    items.sort(key=order)  # stable: collection order within a group and among the modules
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `--dist loadscope`, xdist's scopes are `worker_group`'s groups.
+
+    (xdist's own `loadgroup` marks tests by rewriting their node ids, which pytest 9.2 no
+    longer reads; a scheduler sees the ids as they are.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkerGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return worker_group(path.removeprefix("tests/"))
+
+    return WorkerGroupScheduling(config, log)

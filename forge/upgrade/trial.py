@@ -141,7 +141,8 @@ def run_cell_proofs(*, report: UpgradeReport, out_dir: Path, wheels: Path, cache
                 "--heavy=all", f"--proof-results={results.resolve()}", "-q", "-rfE",
                 "-p", "no:cacheprovider"]
         if step == "L0":
-            argv.append(f"--dist={wheels.resolve()}")  # the trial build's wheels, not a rebuild
+            # The trial build's wheels, not a rebuild.
+            argv.append(f"--built-dist={wheels.resolve()}")
         progress(f"{step}: {' '.join(paths)} on {report.cell_name} (trial); log {log}")
         began = time.monotonic()
         status, output = runner(argv, env, REPO_ROOT, log, progress)

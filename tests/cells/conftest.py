@@ -3,8 +3,8 @@ sources and change exactly its reviewed diff (test_cell_sources.py, cheap, every
 the full build re-packs wheels that install and say which build they are (test_cell_build.py,
 heavy: the cells `--heavy` picks).
 
-`pytest tests/cells` proves every cell; `--cell NAME` narrows it and `--dist DIR` proves wheels
-an earlier `nox -s build-<cell>` already made.
+`pytest tests/cells` proves every cell; `--cell NAME` narrows it and `--built-dist DIR` proves
+wheels an earlier `nox -s build-<cell>` already made.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def built(cell: Cell, tmp_path_factory: pytest.TempPathFactory,
           request: pytest.FixtureRequest) -> BuildResult | Path:
-    """The cell's built wheels: a fresh build, or the --dist folder of an earlier one."""
-    given = request.config.getoption("--dist")
+    """The cell's built wheels: a fresh build, or the --built-dist folder of an earlier one."""
+    given = request.config.getoption("--built-dist")
     if given:
         return Path(given)
     dist = tmp_path_factory.mktemp(f"dist-{cell.name}")

@@ -269,7 +269,7 @@ def test_every_seam_finds_the_cells_change_and_a_cell_is_proposed(
               "-p", "no:cacheprovider"]
     l0, l1 = fake_proofs.calls
     assert l0.argv == [sys.executable, "-m", "pytest", "tests/cells", *common,
-                       f"--dist={(out / 'dist' / 'vllm-0.33').resolve()}"]
+                       f"--built-dist={(out / 'dist' / 'vllm-0.33').resolve()}"]
     assert l1.argv == [sys.executable, "-m", "pytest", "tests/contract", *common]
     for call in (l0, l1):
         assert call.cwd == root
