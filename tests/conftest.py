@@ -37,7 +37,6 @@ def pytest_configure(config: pytest.Config) -> None:
         proof_registry()
 
 
-
 # Which tests share one xdist worker (`nox -s tests` runs `pytest -n auto --dist loadscope`, and
 # with `--dist loadscope` the groups below are xdist's scopes):
 # - "checkout": the tests that write into the checkout itself (the e2e tests publish into dist/
@@ -55,8 +54,9 @@ _SUITE_GROUPS = ("sglang/", "contract/", "cells/")
 _GROUP_ORDER = ("checkout", "sglang", "contract", "cells")
 
 
-def worker_group(path: str) -> str:
-    """The group of a test module, `path` relative to tests/."""
+def worker_group(nodeid: str) -> str:
+    """The group of a test, from its node id (`tests/<module path>::...`)."""
+    path = nodeid.split("::", 1)[0].removeprefix("tests/")
     if path.startswith(_WRITES_TO_CHECKOUT):
         return "checkout"
     for suite in _SUITE_GROUPS:
@@ -65,16 +65,10 @@ def worker_group(path: str) -> str:
     return path
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests_dir = config.rootpath / "tests"
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(_GROUP_ORDER)}
-
-    def order(item: pytest.Item) -> int:
-        if not item.path.is_relative_to(tests_dir):
-            return len(rank)
-        return rank.get(worker_group(item.path.relative_to(tests_dir).as_posix()), len(rank))
-
-    items.sort(key=order)  # stable: collection order within a group and among the modules
+    # Stable: collection order within a group and among the modules.
+    items.sort(key=lambda item: rank.get(worker_group(item.nodeid), len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -89,7 +83,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class WorkerGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return worker_group(path.removeprefix("tests/"))
+            return worker_group(nodeid)
 
     return WorkerGroupScheduling(config, log)
