@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import hashlib
 import json
 import os
@@ -122,24 +123,34 @@ def serve(args: argparse.Namespace) -> int:
             _emit({"event": "stats", "device_used": _device_used(),
                    "kv_mapped": pool.mapped_bytes() if pool is not None else None})
             continue
-        if command[0] != "burst":
+        if command[0] not in ("burst", "profile"):
             _emit({"event": "error", "error": f"unknown command {line.strip()!r}"})
             continue
+        # `profile PATH`: the same burst under cProfile (the in-process engine core's
+        # scheduler and model runner included), its statistics written to PATH.
+        profiler = cProfile.Profile() if command[0] == "profile" else None
         before = pool.snapshot() if pool is not None else None
         t0 = time.perf_counter()
         try:
+            if profiler is not None:
+                profiler.enable()
             results = llm.generate(prompts, params, use_tqdm=False)
             error = None
         except Exception as exc:  # every request of the burst failed
             results, error = [], f"{type(exc).__name__}: {exc}"[:2000]
+        finally:
+            if profiler is not None:
+                profiler.disable()
         seconds = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.dump_stats(command[1])
         after = pool.snapshot() if pool is not None else None
         outputs = [list(r.outputs[0].token_ids) for r in results]
         ttfts = [float(r.metrics.first_token_latency) for r in results
                  if getattr(r, "metrics", None) is not None
                  and getattr(r.metrics, "first_token_latency", None) is not None]
         burst: dict[str, Any] = {
-            "event": "burst", "tag": command[1] if len(command) > 1 else "",
+            "event": command[0], "tag": command[1] if len(command) > 1 else "",
             "seconds": seconds, "tokens": sum(len(o) for o in outputs),
             "failed": len(prompts) - sum(len(o) == args.max_tokens for o in outputs),
             "error": error, "ttft_p50": percentile(ttfts, 0.5),
@@ -240,6 +251,12 @@ class EngineProcess:
         if not self.send(f"burst {tag}"):
             return {"event": "exit"}
         return self.wait_for(("burst",), timeout)
+
+    def profile(self, path: Path, timeout: float) -> dict[str, Any]:
+        """One burst under cProfile, its statistics written to `path` (pstats format)."""
+        if not self.send(f"profile {path}"):
+            return {"event": "exit"}
+        return self.wait_for(("profile",), timeout)
 
     def close(self, timeout: float = 60.0) -> None:
         if self.proc.poll() is None:

@@ -369,10 +369,53 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
             (out / "idle.json").write_text(json.dumps(idle, indent=1))
             idle.pop("samples")
             report["idle"] = idle
+        if args.profile and "error" not in report:
+            # One more burst per engine, alone and under cProfile: where the host time of
+            # each engine's steps goes, against stock's, function by function.
+            paths = {name: out / f"profile-{name}.prof" for name in names}
+            for name, path in paths.items():
+                message = engines[name].profile(path, args.burst_timeout)
+                if message.get("event") != "profile":
+                    report["error"] = f"{name} profiled burst: {message}"
+                    break
+            else:
+                text = profile_diff(paths)
+                (out / "profile-diff.txt").write_text(text)
+                print(text, flush=True)
     finally:
         for engine in engines.values():
             engine.close()
     return report
+
+
+def profile_diff(paths: dict[str, Path], *, baseline: str = "stock", top: int = 30) -> str:
+    """The functions whose own time (and, separately, time including callees) differs most
+    between each engine's profiled burst and the baseline's, in milliseconds."""
+    import pstats
+
+    stats = {name: pstats.Stats(str(path)).stats for name, path in paths.items()}  # type: ignore[attr-defined]
+    lines: list[str] = []
+    base = stats[baseline]
+
+    def label(key: tuple[str, int, str]) -> str:
+        file, line, func = key
+        return f"{'/'.join(file.split('/')[-2:])}:{line}({func})"
+
+    for name, table in stats.items():
+        if name == baseline:
+            continue
+        for column, title in ((2, "own time"), (3, "time with callees")):
+            keys = set(base) | set(table)
+            rows = sorted(keys, key=lambda k: abs(table.get(k, (0, 0, 0, 0))[column]
+                                                  - base.get(k, (0, 0, 0, 0))[column]),
+                          reverse=True)[:top]
+            lines.append(f"== {name} - {baseline}: {title} (ms; calls {name} / {baseline})")
+            for key in rows:
+                mine, theirs = table.get(key, (0, 0, 0, 0)), base.get(key, (0, 0, 0, 0))
+                lines.append(f"{(mine[column] - theirs[column]) * 1e3:+10.1f} "
+                             f"{mine[column] * 1e3:10.1f} {theirs[column] * 1e3:10.1f} "
+                             f"{mine[1]:>8} {theirs[1]:>8}  {label(key)}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-follow-s", type=float, default=0.0,
                         help="follow the patched engines this long after the last burst")
     parser.add_argument("--idle-period-s", type=float, default=0.25)
+    parser.add_argument("--profile", action="store_true",
+                        help="after the measured bursts, one more burst per engine under "
+                             "cProfile; profile-diff.txt ranks the functions whose time "
+                             "differs most from stock's")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="do not start a configuration after this many seconds (0: none)")
     args = parser.parse_args(argv)

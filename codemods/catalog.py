@@ -15,6 +15,7 @@ from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
 from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneModule
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
+from codemods.sglang.allocator_swa import ElasticSWAAllocator, RefusePureSWAAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
 from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
@@ -31,6 +32,7 @@ from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMem
 from codemods.sglang.config_guard_runner_gdn import RefuseUnsupportedAtRunnerInitMemoryPoolGdn
 from codemods.sglang.config_guard_runner_swa import RefuseUnsupportedAtRunnerInitMemoryPoolSwa
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
+from codemods.sglang.config_guard_swa import RefuseUnsupportedAtConfigureSwa
 from codemods.sglang.model_runner_sizing import (
     ElasticKVProfileMemoryRunner,
     KVBudgetCapacityRunner,
@@ -119,6 +121,13 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("sglang", "scheduler-capacity", versions="<0.5.21",
                  note="up to 0.5.20 the scheduler reads the free capacity itself for admission, "
                       "the decode check and eviction; from 0.5.21 it asks the allocator"),
+    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.21",
+                 note="from 0.5.21 the hybrid sliding-window allocator owns its capacity gates "
+                      "(mem_cache/allocator/swa.py), so a window model is served elastic there "
+                      "and refused by the configuration guard before"),
+    RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.21",
+                 note="the all-window allocator (PureSWATokenToKVPoolAllocator) derives from "
+                      "the stock composite, above the elastic one in its module"),
 )
 
 
@@ -183,7 +192,7 @@ _SGLANG_TREE_RELEASE = ">=0.4.10,<0.5.9"
 # 0.5.20. Both allocators live in mem_cache/allocator.py up to 0.5.12 (a package from 0.5.13),
 # and the paged alloc_extend takes the batch's new-page count from 0.5.12.
 _SGLANG_NEWER_API = ">=0.5.20,<0.5.24"
-_SGLANG_GET_EXEC = ">=0.5.17,<0.5.24"
+_SGLANG_GET_EXEC = ">=0.5.17,<0.5.21"
 _SGLANG_TOKEN_FREE_GROUP_FLAG = ">=0.5.13,<0.5.18"
 _SGLANG_TOKEN_FLAG_COPIES = ">=0.5.18,<0.5.19"
 _SGLANG_TOKEN_FREE_GROUP_NONE = ">=0.5.19,<0.5.20"
@@ -236,6 +245,8 @@ _SGLANG_0510_DATE = "2026-12-02"
 _SGLANG_0517_DATE = "2026-12-04"
 _SGLANG_055_DATE = "2026-12-02"
 _SGLANG_PRESSURE_DATE = "2026-12-06"
+_SGLANG_SWA_DATE = "2026-12-06"
+_SGLANG_SWA = ">=0.5.21,<0.5.24"
 # Where the scheduler reads the allocator's capacity itself (up to 0.5.20):
 # codemods/sglang/scheduler_capacity.py names the scopes of each release.
 _SGLANG_POLICY = "{package}/srt/managers/schedule_policy.py"
@@ -735,6 +746,59 @@ CODEMODS += [
         codemod=RefuseUnsupportedAtConfigure,
         forwarded="not-needed",
         last_update=_SGLANG_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-swa",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_SWA,
+        anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure "
+               "(hybrid sliding-window models served)",
+        targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported where the sliding-window allocator is "
+            "elastic (sglang-swa-allocator): a hybrid window model starts, a Mamba model and "
+            "a window model with unified memory, the hierarchical cache, an MLA backend or a "
+            "speculative draft (other pools or allocators around the window layers) stop "
+            "start-up.",
+        retire_when="Mamba and those window shapes are made elastic.",
+        codemod=RefuseUnsupportedAtConfigureSwa,
+        forwarded="not-needed",
+        last_update=_SGLANG_SWA_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-swa-allocator",
+        seam="swa-allocator",
+        engine="sglang",
+        versions=_SGLANG_SWA,
+        anchor="sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator",
+        targets=("{package}/srt/mem_cache/allocator/swa.py",),
+        expected_hits=1,
+        why="The composite over the two elastic sides answers SGLang's admission, eviction and "
+            "decode checks from logical sizes and asserts that its second allocation "
+            "succeeded: under a limit on either side it would admit what it cannot allocate "
+            "and stop the engine. The mixin gates on what each side can allocate and takes "
+            "both sides' pages before either allocation.",
+        retire_when="SGLang's composite asks its sub-allocators for their allocatable size.",
+        codemod=ElasticSWAAllocator,
+        forwarded="no",
+        last_update=_SGLANG_SWA_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-pure-swa-refused",
+        seam="pure-swa-refused",
+        engine="sglang",
+        versions=_SGLANG_SWA,
+        anchor="sglang.srt.mem_cache.allocator.swa.PureSWATokenToKVPoolAllocator",
+        targets=("{package}/srt/mem_cache/allocator/swa.py",),
+        expected_hits=1,
+        why="A model whose every layer has a window gets the stock composite's subclass, "
+            "defined above the elastic one: with elastic sides but stock gates it would run "
+            "half elastic, so it is refused when built.",
+        retire_when="The all-window allocator is made elastic.",
+        codemod=RefusePureSWAAllocator,
+        forwarded="not-needed",
+        last_update=_SGLANG_SWA_DATE,
     ),
     CodemodDeclaration(
         id="sglang-refuse-unsupported-server-args",

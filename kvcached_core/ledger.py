@@ -589,6 +589,10 @@ class BlockLedger:
         bpp = self.blocks_per_page
         return sorted({block // bpp for block in block_ids})
 
+    def holds_page(self, page: int) -> bool:
+        """Whether ledger page `page` is held (its blocks in use, free to hand out or retired)."""
+        return page in self._page_free
+
     def page_occupancy(self) -> dict[int, int]:
         """Used blocks per held page (for diagnostics and tests)."""
         bpp = self.blocks_per_page

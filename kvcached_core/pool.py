@@ -396,6 +396,10 @@ class KVPool:
         """Pages with physical memory behind them: held by blocks or warm in the reserve."""
         return self.ledger.mapped_pages
 
+    def holds_page(self, page: int) -> bool:
+        """Whether the ledger holds page `page` (some of its blocks may be handed out)."""
+        return self.ledger.holds_page(page)
+
     @property
     def reserve_pages(self) -> int:
         """Warm pages the page allocator keeps mapped ahead of demand (no block is in them)."""

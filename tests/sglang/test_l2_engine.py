@@ -142,3 +142,95 @@ def test_two_engines_under_a_budget_below_their_bursts_wait_not_fail(
     assert all(peak is not None and peak <= budget for peak in peaks), (peaks, budget)
     # The budget bound them: together they filled it during the bursts.
     assert max(peaks) >= budget - page, (peaks, budget)
+
+
+# ---------------------------------------------------------------- hybrid sliding-window models
+# A tiny Laguna (tiny_model.py --model laguna): 3 layers with a 32-token window, 1 full-attention
+# layer, 2 KV heads of 16, run in float32. SGLang keeps a full-attention pool (1 layer) and a
+# window pool (3 layers); a ledger page holds 32 tokens of one layer's K or V.
+FULL_PAGE = PAGE * 1 * 2
+WINDOW_PAGE = PAGE * 3 * 2
+# The lowered burst's limits (float32 KV: 32 tokens a page). The full pool: 12 pages, 383 slots,
+# against the burst's 8 x 116 - 137 tokens. The window pool: 8 pages, 255 slots, against the
+# burst's prompts (244 tokens) and its 8 live windows (8 x 33 tokens). SGLang checks a decode
+# step before it frees the slots that left the window, and a prefill takes window slots for its
+# whole extend (page size 1), so a window pool must hold one request's whole sequence and the
+# others' windows; a smaller one aborts requests with SGLang's "Out of memory even after
+# retracting all other requests", as a small stock window pool would.
+LIMITS = {"full": 12 * FULL_PAGE, "swa": 8 * WINDOW_PAGE}
+
+
+def run_window_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool,
+                      limits: dict[str, int] | None = None) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = tmp / "result.json"
+    env = engine_env(tmp, elastic=elastic)
+    # Stock and patched alike: SGLang's torch-native reads of window layers, translated
+    # (tests/sglang/shims/_swa_read_fix.py); out-of-window slots freed at every step.
+    env["KVCACHED_TEST_SWA_READ_FIX"] = "1"
+    env["SGLANG_SWA_EVICTION_INTERVAL"] = "1"
+    limit = [] if limits is None else ["--limit", f"{limits['full']},{limits['swa']}"]
+    run = subprocess.run(
+        [str(venv.python), str(INSIDE / "run_window_engine.py"), str(model), str(out), *limit],
+        env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-6000:]
+    assert not (tmp / "shim-calls.log").exists(), (tmp / "shim-calls.log").read_text()
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def window_model(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv) -> Path:
+    out = tmp_path_factory.mktemp("tiny-laguna")
+    subprocess.run([str(stock_venv.python), str(Path(__file__).with_name("tiny_model.py")),
+                    str(out), "--model", "laguna"], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock_window_run(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv,
+                     window_model: Path) -> dict:
+    return run_window_engine(stock_venv, window_model, tmp_path_factory.mktemp("stock-window"),
+                             elastic=False)
+
+
+@pytest.mark.cell_needs("sglang-swa-allocator")
+def test_window_model_matches_stock_and_its_window_pool_stays_the_window(
+        stock_window_run: dict, patched_venv: EngineVenv, window_model: Path,
+        tmp_path: Path) -> None:
+    """A hybrid sliding-window model on the elastic pools: stock's tokens; each pool maps
+    pages as the burst needs them and gives them back when idle; during one long generation
+    the full-attention pool grows with its length while the window pool stays about one
+    window (slots that leave the window are freed and their pages reused or given back)."""
+    patched = run_window_engine(patched_venv, window_model, tmp_path / "patched", elastic=True)
+    assert patched["outputs"] == stock_window_run["outputs"]
+    assert patched["completion_tokens"] == stock_window_run["completion_tokens"] == [96] * 8 + [400]
+    assert stock_window_run["kv_bytes"]["burst_peak"] == {"full": None, "swa": None}
+    kv = patched["kv_bytes"]
+    assert kv["before"] == {"full": FULL_PAGE, "swa": WINDOW_PAGE}  # the null blocks' pages
+    assert kv["burst_peak"]["full"] >= FULL_PAGE * 16  # 8 x 116 - 137 tokens, 32 a page
+    assert kv["burst_peak"]["swa"] >= WINDOW_PAGE * 3
+    # More than the next test's limits hold: they bind.
+    assert all(kv["burst_peak"][pool] > LIMITS[pool] for pool in LIMITS), (kv, LIMITS)
+    for pool in ("full", "swa"):
+        assert kv["idle"][pool] < kv["burst_peak"][pool], (pool, kv)
+    long_full = kv["long_peak"]["full"] - kv["idle"]["full"]
+    long_window = kv["long_peak"]["swa"] - kv["idle"]["swa"]
+    assert long_full >= FULL_PAGE * 12, kv  # 408 tokens: 13 pages of full attention
+    assert long_window <= WINDOW_PAGE * 2, kv  # a 32-token window: at most 2 pages
+
+
+@pytest.mark.cell_needs("sglang-swa-allocator")
+def test_window_model_under_a_limit_below_its_burst_waits_not_fails(
+        stock_window_run: dict, patched_venv: EngineVenv, window_model: Path,
+        tmp_path: Path) -> None:
+    """Both pools limited below what the burst maps without a limit (the test above): every
+    request completes with stock's tokens (admission waits for either pool, running requests
+    are retracted, the composite allocates both sides or neither) and no pool holds more than
+    its limit."""
+    patched = run_window_engine(patched_venv, window_model, tmp_path / "lowered", elastic=True,
+                                limits=LIMITS)
+    assert patched["outputs"] == stock_window_run["outputs"]
+    assert patched["completion_tokens"] == [96] * 8 + [400]
+    peak = patched["kv_bytes"]["burst_peak"]
+    assert all(peak[pool] <= LIMITS[pool] for pool in LIMITS), (peak, LIMITS)

@@ -18,6 +18,7 @@ from codemods.sglang.allocator_paged import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocatorDeviceLengths
 from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneModule
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
+from codemods.sglang.allocator_swa import ElasticSWAAllocator, RefusePureSWAAllocator
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
 from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
@@ -36,6 +37,7 @@ from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMem
 from codemods.sglang.config_guard_runner_gdn import RefuseUnsupportedAtRunnerInitMemoryPoolGdn
 from codemods.sglang.config_guard_runner_swa import RefuseUnsupportedAtRunnerInitMemoryPoolSwa
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
+from codemods.sglang.config_guard_swa import RefuseUnsupportedAtConfigureSwa
 from codemods.sglang.model_runner_sizing import (
     ElasticKVProfileMemoryRunner,
     KVBudgetCapacityRunner,
@@ -283,6 +285,9 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (RefuseUnsupportedAtInitMemoryPoolEnvsLocal, "sglang-refuse-unsupported-mixin-envs-local"),
     (RefuseUnsupportedAtRunnerInitMemoryPoolGdn, "sglang-refuse-unsupported-runner-gdn"),
     (RefuseUnsupportedAtRunnerInitMemoryPoolSwa, "sglang-refuse-unsupported-runner-swa"),
+    (RefuseUnsupportedAtConfigureSwa, "sglang-refuse-unsupported-swa"),
+    (ElasticSWAAllocator, "sglang-swa-allocator"),
+    (RefusePureSWAAllocator, "sglang-pure-swa-refused"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
                                             transform_id: str) -> None:
@@ -312,7 +317,10 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
             (ElasticTokenAllocatorFreeGroupFlagCopies, "sglang-token-allocator-copies-deferred",
              "TokenToKVPoolAllocator"),
             (ElasticTokenAllocatorFreeGroupNone, "sglang-token-allocator-free-group-none",
-             "TokenToKVPoolAllocator")]:
+             "TokenToKVPoolAllocator"),
+            (ElasticSWAAllocator, "sglang-swa-allocator", "SWATokenToKVPoolAllocator"),
+            (RefusePureSWAAllocator, "sglang-pure-swa-refused",
+             "PureSWATokenToKVPoolAllocator")]:
         body = fixture(transform_id).split(f"class {cls}", 1)[1].split("\nclass ", 1)[0]
         for name in codemod.REQUIRED_METHODS:
             assert f"def {name}(" in body, (transform_id, name)
@@ -327,6 +335,9 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
     sglang = {t.id: t for t in CODEMODS if t.engine == "sglang"}
     newer_api = {"sglang-token-allocator", "sglang-paged-allocator",
                  "sglang-refuse-unsupported"}
+    # from 0.5.21 the sliding-window allocator is elastic and the guard lets window models in
+    window_api = newer_api - {"sglang-refuse-unsupported"} | {
+        "sglang-refuse-unsupported-swa", "sglang-swa-allocator", "sglang-pure-swa-refused"}
     older_api = {"sglang-token-allocator-free-group-flag",
                  "sglang-paged-allocator-free-group-flag"}
     configurator = {"sglang-kv-budget", "sglang-kv-profile-free-memory"}
@@ -338,10 +349,11 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
     check_decode_mem = "sglang-scheduler-capacity-check-decode-mem"
     same_everywhere = {"sglang-mla-pool", "sglang-prefix-cache-bound"}
     variants = {
-        "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory", *newer_api, *configurator},
-        "0.5.22": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api,
+        "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory", *window_api,
                    *configurator},
-        "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *newer_api,
+        "0.5.22": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *window_api,
+                   *configurator},
+        "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *window_api,
                    *configurator},
         "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    "sglang-scheduler-capacity", *newer_api, *configurator},

@@ -143,13 +143,23 @@ class _ElasticLedger:
         pool holds more than a lowered limit allows: that many pages must be freed before
         anything is allocatable. Without the budget's share, a neighbour that spent the budget
         would let SGLang admit work whose allocation is then refused: its out-of-memory path.
+
+        The ids past SGLang's last page lie in the region's last ledger page, and the ledger
+        maps pages lowest first: they can be among what the pool hands out now only while it
+        holds that page or its limit lets it hold every page. Under a limit below that they
+        are not counted against what is allocatable (a window model's second pool, under a
+        limit of two pages, would otherwise have nothing allocatable at all).
         """
         pool = self.pool
         parked = len(self.parked)
         logical = self.num_pages - self.held
+        under_budget = pool.available_under_budget()  # applies a limit kvctl published
         beyond = max(0, pool.capacity_blocks - self.limit - parked)
-        now = min(pool.available_under_budget(),  # applies a limit kvctl published
-                  pool.available_size() - beyond)
+        if beyond:
+            last_page = pool.capacity_blocks // pool.blocks_per_page - 1
+            if not pool.holds_page(last_page) and pool.num_blocks < pool.capacity_blocks:
+                beyond = 0
+        now = min(under_budget, pool.available_size() - beyond)
         headroom = min(pool.num_blocks - parked, self.limit) - 1 - self.held
         return min(logical, now, headroom)
 
@@ -223,6 +233,23 @@ class _ElasticAllocatorCommon:
 
     _kvcached: _ElasticLedger | None = None
     _kvcached_ledger_type: ClassVar[type[_ElasticLedger]] = _ElasticLedger
+    #: Page ids an owner took for this allocator's next allocation (the sliding-window
+    #: allocator takes both of its sides' pages first, so that one side's refusal leaves the
+    #: other untouched); None: the allocation takes its own.
+    _kvcached_pretaken: list[int] | None = None
+
+    def _take_pages(self, count: int) -> list[int] | None:
+        """`count` page ids for the allocation under way: those an owner took for it, or
+        new ones from the ledger (None: refused, nothing changed)."""
+        pretaken = self._kvcached_pretaken
+        if pretaken is not None:
+            self._kvcached_pretaken = None
+            if len(pretaken) != count:
+                raise StateConsistencyError(
+                    f"kvcached: {len(pretaken)} pages were taken for an allocation of {count}")
+            return pretaken
+        assert self._kvcached is not None
+        return self._kvcached.take(count)
 
     def _attach_ledger(self) -> _ElasticLedger:
         allocator: Any = self
@@ -303,8 +330,7 @@ class ElasticTokenAllocatorMixin(_ElasticAllocatorCommon):
         allocator.free_group = None
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        assert self._kvcached is not None
-        ids = self._kvcached.take(need_size)
+        ids = self._take_pages(need_size)
         if ids is None:
             return None
         return _ids_tensor(ids, self.device)  # type: ignore[attr-defined]
@@ -344,8 +370,7 @@ class ElasticPagedAllocatorMixin(_ElasticAllocatorCommon):
         allocator.num_staged_pages = 0
 
     def _stage_new_pages(self, count: int) -> bool:
-        assert self._kvcached is not None
-        ids = self._kvcached.take(count)
+        ids = self._take_pages(count)
         if ids is None:
             return False
         allocator: Any = self

@@ -148,8 +148,12 @@ class ElasticMHAPoolMixin:
         pool: Any = self
         store_dtype: torch.dtype = pool.store_dtype
         row_elems = shape[1] * shape[2]
+        # A hybrid window model's two MHA pools say which they are ("Full", "SWA"), so that
+        # `kvctl` and `kvtop` tell the window layers' pool apart: sglang-mha-swa-<pid>-<n>.
+        label = getattr(pool, "allocation_label", None)
+        kind = f"mha-{label.lower()}" if label else "mha"
         kv_pool, region_rows = create_kv_pool(
-            kind="mha", device=str(pool.device), num_layers=pool.layer_num, num_buffers=2,
+            kind=kind, device=str(pool.device), num_layers=pool.layer_num, num_buffers=2,
             page_tokens=pool.page_size, token_bytes=row_elems * store_dtype.itemsize,
             rows=shape[0],
         )

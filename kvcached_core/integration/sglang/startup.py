@@ -41,9 +41,19 @@ def refuse_unsupported(
     enable_memory_saver: bool,
     custom_mem_pool: bool,
     post_capture_kv_sizing: bool,
-    hybrid_layers: bool,
+    hybrid_layers: bool = False,
+    mamba_layers: bool = False,
+    sliding_window: bool = False,
+    sliding_window_with: dict[str, bool] | None = None,
 ) -> None:
-    """Stop start-up, with the reason and the way out, on a configuration elastic pools break."""
+    """Stop start-up, with the reason and the way out, on a configuration elastic pools break.
+
+    `hybrid_layers` (releases whose sliding-window allocator is not elastic): any hybrid
+    sliding-window or Mamba model. From 0.5.21 the call site tells them apart: `mamba_layers`
+    is refused, and a `sliding_window` model is served (`swa.py`) unless one of
+    `sliding_window_with` (a feature name -> whether it is on) is on: each of those builds
+    other pools or allocators around the window layers.
+    """
     reasons = []
     if enable_memory_saver:
         reasons.append("--enable-memory-saver (torch_memory_saver owns the KV memory)")
@@ -56,9 +66,17 @@ def refuse_unsupported(
         )
     if hybrid_layers:
         reasons.append("hybrid sliding-window or linear-attention (Mamba) KV pools")
+    if mamba_layers:
+        reasons.append("Mamba / linear-attention state pools")
+    if sliding_window:
+        reasons += [f"a sliding-window model with {name}"
+                    for name, on in (sliding_window_with or {}).items() if on]
     if reasons:
+        from kvcached_core.limits import engine_of_this_process
+
+        cell = engine_of_this_process() or "this build"
         raise KVCachedConfigError(
-            "kvcached: elastic KV memory (KVCACHED_ENABLE=1) does not support "
+            f"kvcached: elastic KV memory (KVCACHED_ENABLE=1) in {cell} does not support "
             + "; ".join(reasons)
             + ". Turn that off or set KVCACHED_ENABLE=0."
         )

@@ -94,6 +94,14 @@ def engine_kwargs(model: str) -> dict[str, Any]:
             "skip_server_warmup": True, "random_seed": 0}
 
 
+def completion_ids(outputs: list[dict[str, Any]]) -> list[list[int]]:
+    """The generated token ids of each output: up to 0.5.1 `output_ids` also holds the last
+    prompt tokens the incremental detokenizer starts from, so they are cut to the completion's
+    length."""
+    return [o["output_ids"][len(o["output_ids"]) - o["meta_info"]["completion_tokens"]:]
+            for o in outputs]
+
+
 def wait_for_parties(barrier: Path, parties: int, timeout_s: float = 600.0) -> None:
     """Leave this engine's file in `barrier`, then wait until `parties` engines have."""
     barrier.mkdir(parents=True, exist_ok=True)
@@ -141,11 +149,8 @@ def main(model: str, out: str, lowered_limit: int | None = None,
             idle = sampler.now()
             again = engine.generate([f"{shared} w200 w201"], PARAMS)
         peak = max((v for _, v in sampler.samples), default=None)
-        # The generated tokens: up to 0.5.1 `output_ids` also holds the last prompt tokens the
-        # incremental detokenizer starts from, so they are cut to the completion's length.
         result = {
-            "outputs": [o["output_ids"][len(o["output_ids"]) - o["meta_info"]["completion_tokens"]:]
-                        for o in first + again],
+            "outputs": completion_ids(first + again),
             "completion_tokens": [o["meta_info"]["completion_tokens"] for o in first + again],
             "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in first + again],
             "kv_bytes": {"before": before, "peak": peak, "idle": idle},
