@@ -72,7 +72,7 @@ if elastic:
     end_step = lambda: engine.on_step_end(core, pool, 0)
 times = []
 profile = None
-if len(sys.argv) > 4 and sys.argv[4] == "1":
+if sys.argv[4]:  # where the decode steps' profile goes
     import cProfile
     profile = cProfile.Profile()
 for step in range(steps):
@@ -90,11 +90,8 @@ for step in range(steps):
     times.append(time.perf_counter() - started)
 decode = times[4:]  # the prefill steps left out
 if profile is not None:
-    import io, pstats
     profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
-    print(text.getvalue(), file=sys.stderr)
+    profile.dump_stats(sys.argv[4])
 print(json.dumps({"median_us": statistics.median(decode) * 1e6, "steps": len(decode),
                   "admission_us": sum(times[:4]) * 1e6}))
 """
@@ -112,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1024,
                         help="their window in tokens")
     parser.add_argument("--profile", action="store_true",
-                        help="print where each tree's decode steps spend their time")
+                        help="profile each tree's decode steps (cProfile) and print the "
+                             "functions whose time differs most between them")
     args = parser.parse_args(argv)
 
     from forge.matrix import load_matrix
@@ -149,20 +147,24 @@ def main(argv: list[str] | None = None) -> int:
                 done = subprocess.run(
                     [str(python), "-c", CHILD, str(args.requests), str(args.steps),
                      "1" if flavour == "patched" else "0",
-                     "1" if args.profile else "0",
+                     str(work / f"{flavour}-{index}.prof") if args.profile else "",
                      str(args.window_groups), str(args.window)],
                     cwd=trees[flavour], env=env, capture_output=True, text=True, check=False)
                 if done.returncode != 0:
                     print(done.stderr[-3000:], file=sys.stderr)
                     return 1
-                if args.profile:
-                    print(done.stderr[-6000:])
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 medians[flavour].append(result["median_us"])
                 admissions[flavour].append(result["admission_us"])
                 print(f"round {index} {flavour}: {result['median_us']:.0f} us per step "
                       f"({result['steps']} decode steps, {args.requests} requests), "
                       f"{result['admission_us']:.0f} us for the first 4 (admission)", flush=True)
+        if args.profile:  # the last round's two trees, function by function
+            from gpu_throughput import profile_diff
+
+            last = args.rounds - 1
+            print(profile_diff({flavour: work / f"{flavour}-{last}.prof"
+                                for flavour in ("stock", "patched")}, top=25))
         stock, patched = statistics.median(medians["stock"]), statistics.median(medians["patched"])
         print(json.dumps({"cell": cell.name, "requests": args.requests,
                           "window_groups": args.window_groups,

@@ -390,31 +390,45 @@ def run_config(args: argparse.Namespace, config: str, out: Path) -> dict[str, An
 
 def profile_diff(paths: dict[str, Path], *, baseline: str = "stock", top: int = 30) -> str:
     """The functions whose own time (and, separately, time including callees) differs most
-    between each engine's profiled burst and the baseline's, in milliseconds."""
+    between each engine's profiled burst and the baseline's, in milliseconds.
+
+    Functions are matched by file (from the package directory down: the trees live in
+    different places) and name, not line: a patched file's lines are shifted.
+    """
     import pstats
 
-    stats = {name: pstats.Stats(str(path)).stats for name, path in paths.items()}  # type: ignore[attr-defined]
-    lines: list[str] = []
+    def normalized(path: Path) -> dict[str, list[float]]:
+        table: dict[str, list[float]] = {}
+        for (file, _line, func), row in pstats.Stats(str(path)).stats.items():  # type: ignore[attr-defined]
+            parts = file.split("/")
+            for package in ("vllm", "kvcached_core", "sglang", "torch"):
+                if package in parts:
+                    parts = parts[len(parts) - 1 - parts[::-1].index(package):]
+                    break
+            key = f"{'/'.join(parts[-4:])}({func})"
+            calls, own, total = table.get(key, [0.0, 0.0, 0.0])
+            table[key] = [calls + row[1], own + row[2], total + row[3]]
+        return table
+
+    stats = {name: normalized(path) for name, path in paths.items()}
     base = stats[baseline]
-
-    def label(key: tuple[str, int, str]) -> str:
-        file, line, func = key
-        return f"{'/'.join(file.split('/')[-2:])}:{line}({func})"
-
+    lines: list[str] = []
     for name, table in stats.items():
         if name == baseline:
             continue
-        for column, title in ((2, "own time"), (3, "time with callees")):
-            keys = set(base) | set(table)
-            rows = sorted(keys, key=lambda k: abs(table.get(k, (0, 0, 0, 0))[column]
-                                                  - base.get(k, (0, 0, 0, 0))[column]),
-                          reverse=True)[:top]
+        keys = set(base) | set(table)
+        for column, title in ((1, "own time"), (2, "time with callees")):
+            def delta(key: str, column: int = column,
+                      table: dict[str, list[float]] = table) -> float:
+                return (table.get(key, [0.0, 0.0, 0.0])[column]
+                        - base.get(key, [0.0, 0.0, 0.0])[column])
+
             lines.append(f"== {name} - {baseline}: {title} (ms; calls {name} / {baseline})")
-            for key in rows:
-                mine, theirs = table.get(key, (0, 0, 0, 0)), base.get(key, (0, 0, 0, 0))
-                lines.append(f"{(mine[column] - theirs[column]) * 1e3:+10.1f} "
-                             f"{mine[column] * 1e3:10.1f} {theirs[column] * 1e3:10.1f} "
-                             f"{mine[1]:>8} {theirs[1]:>8}  {label(key)}")
+            for key in sorted(keys, key=lambda k: abs(delta(k)), reverse=True)[:top]:
+                mine, theirs = table.get(key, [0, 0, 0]), base.get(key, [0, 0, 0])
+                lines.append(f"{delta(key) * 1e3:+10.1f} {mine[column] * 1e3:10.1f} "
+                             f"{theirs[column] * 1e3:10.1f} {int(mine[0]):>8} "
+                             f"{int(theirs[0]):>8}  {key}")
     return "\n".join(lines) + "\n"
 
 
