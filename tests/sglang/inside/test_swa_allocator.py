@@ -161,3 +161,4 @@ def test_the_all_window_allocator_is_refused(window_setup) -> None:
     cls = SWA.PureSWATokenToKVPoolAllocator
     with pytest.raises(KVCachedConfigError, match="every layer uses a sliding window"):
         cls(WINDOW, 1, torch.bfloat16, "cpu", pool, False)
+
