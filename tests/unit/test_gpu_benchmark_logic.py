@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +142,29 @@ def test_idle_follow_reports_an_engine_that_keeps_its_memory(
     assert report["auto"]["kv_mapped_mib_last"] == 900.0
     assert report["auto"]["seconds_to_reserve_bound"] is None
     assert len(report["samples"]) >= 3
+
+
+def test_profile_diff_matches_a_function_across_trees_whatever_its_line(tmp_path: Path) -> None:
+    """Stock and patched trees live in different folders and a patched file's lines move:
+    the same function is one row, its calls and time on both sides."""
+    import cProfile
+
+    def profile(tree: str, blank_lines: int, calls: int) -> Path:
+        source = "\n" * blank_lines + "def step(n):\n    return sum(range(n))\n"
+        namespace: dict[str, Any] = {}
+        exec(compile(source, f"/{tree}/site/vllm/v1/core/sched.py", "exec"), namespace)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            namespace["step"](2000)
+        profiler.disable()
+        path = tmp_path / f"{tree}.prof"
+        profiler.dump_stats(path)
+        return path
+
+    text = gpu_throughput.profile_diff({"stock": profile("stock", 0, 10),
+                                        "patched": profile("patched", 7, 30)}, top=5)
+    rows = [line for line in text.splitlines() if line.endswith("vllm/v1/core/sched.py(step)")]
+    assert len(rows) == 2  # own time, and time with callees
+    assert all(row.split()[3:5] == ["30", "10"] for row in rows)
+    assert text.splitlines()[0].startswith("== patched - stock: own time")
