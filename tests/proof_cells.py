@@ -169,6 +169,17 @@ def proof_of(cell: Cell) -> Proof:
     return cell.proof
 
 
+def cell_span(ordered: list[str], chosen: set[str]) -> str:
+    """`first` ... `last` of a contiguous run of the cell names `ordered` (oldest first) that
+    are in `chosen`, as the README's family tables write it, or none."""
+    picked = [name for name in ordered if name in chosen]
+    if not picked:
+        return "none"
+    first, last = ordered.index(picked[0]), ordered.index(picked[-1])
+    assert ordered[first:last + 1] == picked, f"not one contiguous span: {picked}"
+    return f"`{picked[0]}`" if len(picked) == 1 else f"`{picked[0]}` ... `{picked[-1]}`"
+
+
 def vllm_family_cells() -> tuple[list[str], dict[str, set[str]]]:
     """The vLLM cells of the proof matrix, oldest first, and for each model family the cells
     where it is elastic: those whose KV-buffer transforms all call a site that serves it

@@ -14,7 +14,7 @@ import pytest
 
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.vllm import families
-from tests.proof_cells import vllm_family_cells
+from tests.proof_cells import cell_span, vllm_family_cells
 from tests.unit.vllm_kv_stand_ins import FullAttentionSpec, SlidingWindowSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,16 +76,6 @@ def test_a_family_a_site_does_not_serve_is_refused_in_one_line() -> None:
         families.require_served("per_layer_kv_buffer", ["unknown (Spec)"])
 
 
-def _span(ordered: list[str], chosen: set[str]) -> str:
-    """`first` ... `last` of a contiguous run of `ordered`, or none."""
-    picked = [name for name in ordered if name in chosen]
-    if not picked:
-        return "none"
-    first, last = ordered.index(picked[0]), ordered.index(picked[-1])
-    assert ordered[first:last + 1] == picked, f"not one contiguous span: {picked}"
-    return f"`{picked[0]}`" if len(picked) == 1 else f"`{picked[0]}` ... `{picked[-1]}`"
-
-
 def test_the_readme_families_table_says_where_each_family_is_elastic() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     match = re.search(r"<!-- families:vllm -->\n(.*?)<!-- /families:vllm -->", text, re.S)
@@ -93,8 +83,8 @@ def test_the_readme_families_table_says_where_each_family_is_elastic() -> None:
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in match.group(1).splitlines() if line.startswith("|")][2:]
     ordered, serving = vllm_family_cells()
-    expected = {f.title: (_span(ordered, serving[f.name]),
-                          _span(ordered, set(ordered) - serving[f.name]))
+    expected = {f.title: (cell_span(ordered, serving[f.name]),
+                          cell_span(ordered, set(ordered) - serving[f.name]))
                 for f in families.FAMILIES}
     assert {row[0]: (row[1], row[2]) for row in rows} == expected
     for row in rows:  # every test a proof names exists
