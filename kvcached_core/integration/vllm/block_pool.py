@@ -220,16 +220,22 @@ class ElasticBlockPoolMixin:
     # ------------------------------------------------------------------ allocation
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
-        if num_blocks > self._logical_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        available = self.get_num_free_blocks()
-        if num_blocks > available:
-            # Physical pressure (another engine took pages since the caller's check).
-            raise PoolExhausted(f"requested {num_blocks} blocks, {available} backed or mappable")
-        if num_blocks <= 0:
-            return super().get_new_blocks(num_blocks)  # type: ignore[misc]
-        self._map_pages_for(num_blocks - self._held_free_blocks())
         queue = self.free_block_queue
+        # Free blocks of held pages still in vLLM's queue (`_held_free_blocks`, inlined: this
+        # runs for every group of every request that needs a block). When they suffice, as
+        # they do on most calls, the checks below cannot fail and nothing is mapped.
+        held_free = queue.num_free_blocks - self._kv_unheld_blocks + self._kv_parked_count
+        if not 0 < num_blocks <= held_free:
+            if num_blocks > self._logical_free_blocks():
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            available = self.get_num_free_blocks()
+            if num_blocks > available:
+                # Physical pressure (another engine took pages since the caller's check).
+                raise PoolExhausted(
+                    f"requested {num_blocks} blocks, {available} backed or mappable")
+            if num_blocks <= 0:
+                return super().get_new_blocks(num_blocks)  # type: ignore[misc]
+            self._map_pages_for(num_blocks - held_free)
         chosen: list[Any] = []
         held, page_of, parked = self._kv_held, self._kv_tiling.page_of, self._kv_parked
         while len(chosen) < num_blocks:
