@@ -112,12 +112,6 @@ class ElasticSWAAllocatorMixin:
         return min(self.full_attn_allocator.kvcached_allocatable_size(),
                    self.swa_attn_allocator.kvcached_allocatable_size())
 
-    def kvcached_withheld_size(self) -> int:
-        """Logically free slots (of the scarcer side) the limits do not let an allocation
-        take now."""
-        available: int = self.available_size()  # type: ignore[attr-defined]
-        return available - self.kvcached_allocatable_size()
-
     # ------------------------------------------------------------------ capacity gates
 
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
@@ -146,7 +140,7 @@ class ElasticSWAAllocatorMixin:
         return self.kvcached_allocatable_size() >= num_tokens
 
     def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
-        if self._kvcached_pages_taken:
+        if self.full_attn_allocator._kvcached_pretaken is not None:
             return True  # the stock method's own check, after `_take_both` took the pages
         page = self.page_size
         return (num_full_pages <= self.full_attn_allocator.kvcached_allocatable_size() // page
@@ -167,9 +161,6 @@ class ElasticSWAAllocatorMixin:
 
     # ------------------------------------------------------------------ allocation
 
-    #: True while a stock allocation method runs on pages `_take_both` took for it.
-    _kvcached_pages_taken = False
-
     def _take_both(self, full_pages: int, swa_pages: int) -> bool:
         """Take both sides' pages for the allocation that follows, or neither."""
         full, swa = self.full_attn_allocator, self.swa_attn_allocator
@@ -182,12 +173,10 @@ class ElasticSWAAllocatorMixin:
             return False
         full._kvcached_pretaken = full_ids
         swa._kvcached_pretaken = swa_ids
-        self._kvcached_pages_taken = True
         return True
 
     def _drop_pretaken(self) -> None:
         """Give back pages taken for an allocation the stock method did not make."""
-        self._kvcached_pages_taken = False
         for side in (self.full_attn_allocator, self.swa_attn_allocator):
             ids, side._kvcached_pretaken = side._kvcached_pretaken, None
             if ids:

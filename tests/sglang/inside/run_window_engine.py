@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from run_engine import completion_ids, engine_kwargs
+from run_engine import KVSampler, completion_ids, engine_kwargs
 
 BURST = {"temperature": 0.0, "max_new_tokens": 96, "ignore_eos": True}
 LONG = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
@@ -38,16 +37,12 @@ def pool_kind(name: str) -> str | None:
     return None
 
 
-class PoolSampler:
-    """Polls the in-use KV bytes of the engine's full and window pools."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, dict[str, int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+class PoolSampler(KVSampler):
+    """Polls the in-use KV bytes of the engine's full and window pools apart (run_engine's
+    sampler, whose thread it reuses, sums every pool)."""
 
     @staticmethod
-    def set_limits(limits: dict[str, int]) -> None:
+    def set_limits(limits: dict[str, int]) -> None:  # type: ignore[override]
         """Limit each pool of the engine (kind -> bytes), as `kvctl limit` does."""
         from kvcached_core.limits import list_records, set_limit
 
@@ -57,9 +52,9 @@ class PoolSampler:
                 set_limit(record.pool, limits[kind])
 
     @staticmethod
-    def now() -> dict[str, int]:
+    def now() -> dict[str, int] | None:  # type: ignore[override]
         if not os.environ.get("KVCACHED_SHM_DIR"):
-            return {}
+            return None
         from kvcached_core.limits import list_records
 
         used: dict[str, int] = {}
@@ -67,26 +62,12 @@ class PoolSampler:
             kind = pool_kind(record.pool)
             if kind:
                 used[kind] = used.get(kind, 0) + record.used_bytes
-        return used
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            value = self.now()
-            if value:
-                self.samples.append((time.monotonic(), value))
+        return used or None
 
     def since(self, index: int) -> dict[str, int | None]:
         """Each pool's peak over the samples from `index` on."""
         return {kind: max((s[kind] for _, s in self.samples[index:] if kind in s), default=None)
                 for kind in POOLS}
-
-    def __enter__(self) -> PoolSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def main(model: str, out: str, lowered_limit: dict[str, int] | None = None) -> None:
