@@ -62,6 +62,22 @@ def percentile(values: list[float], fraction: float) -> float | None:
 # ---------------------------------------------------------------------------------- child
 
 
+def _driver_op_stats() -> dict[str, tuple[int, int]]:
+    """{driver call: (calls, ns)} of this process's CUDA backend ({} on the host backend)."""
+    from kvcached_core import _C
+    try:
+        return dict(_C.cuda_backend(0).op_stats())
+    except Exception:  # no CUDA device: the CPU runs of this server
+        return {}
+
+
+def _op_stats_delta(before: dict[str, tuple[int, int]],
+                    after: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    """Per driver call, the calls and nanoseconds between two `_driver_op_stats` readings."""
+    return {name: [calls - before.get(name, (0, 0))[0], ns - before.get(name, (0, 0))[1]]
+            for name, (calls, ns) in after.items()}
+
+
 def _emit(message: Mapping[str, Any]) -> None:
     print(MSG + json.dumps(message), flush=True)
 
@@ -130,6 +146,7 @@ def serve(args: argparse.Namespace) -> int:
         # scheduler and model runner included), its statistics written to PATH.
         profiler = cProfile.Profile() if command[0] == "profile" else None
         before = pool.snapshot() if pool is not None else None
+        ops_before = _driver_op_stats() if pool is not None else {}
         t0 = time.perf_counter()
         try:
             if profiler is not None:
@@ -165,6 +182,7 @@ def serve(args: argparse.Namespace) -> int:
                 unmap_calls=after.unmap_calls - before.unmap_calls,
                 unmap_ns=after.unmap_ns_total - before.unmap_ns_total,
                 mapped_pages_after=after.mapped_pages,
+                driver_ops=_op_stats_delta(ops_before, _driver_op_stats()),
             )
         _emit(burst)
     try:  # the patched engine releases its pages and removes its pool record
