@@ -303,12 +303,12 @@ def test_a_decode_allocation_within_held_pages_and_one_that_loses_a_page_race(
     engine.on_step_end(core, block_pool, 0)  # the pool learns the block size
     request = SimpleNamespace(request_id="A")
     assert len(manager.allocate_slots(request, 16)) == 1  # the null block's page has room
-    assert block_pool.fits_in_held_pages(1, 1)
+    assert block_pool.make_room_in_held_pages(1, 1)
     assert pool.snapshot().in_use_pages == 1
     # A competitor takes every other page: an allocation that needs a new page loses the race
     # inside the call and leaves the request as it was, per-request record included.
     pool.set_limit(pool.snapshot().in_use_pages * PAGE)
-    assert not block_pool.fits_in_held_pages(64, 1)
+    assert not block_pool.make_room_in_held_pages(64, 1)
     assert manager.allocate_slots(request, 64) is None
     stand_in = manager.coordinator.single_type_managers[0]
     assert [b.block_id for b in stand_in.req_to_blocks["A"]] == [1]

@@ -109,6 +109,9 @@ class ElasticBlockPoolMixin:
         num_pages = tiling.pages_for(self.num_gpu_blocks)
         self._kv_num_pages = num_pages
         self._kv_held: set[int] = set()  # the pages whose blocks may be handed out
+        # Per vLLM block, 1 while its page is held (a straddling block is never 1): what
+        # get_new_blocks asks of every block it takes, without working out its page.
+        self._kv_block_held = bytearray(self.num_gpu_blocks)
         # When each page last had a block freed (a tick per free_blocks call): trimming evicts
         # the least recently freed pages first without walking vLLM's free queue, which holds
         # every block of the virtual KV space (hundreds of thousands on a large GPU).
@@ -154,7 +157,9 @@ class ElasticBlockPoolMixin:
 
     def _hold_page(self, page: int) -> None:
         self._kv_held.add(page)
-        self._kv_unheld_blocks -= self._page_blocks(page)
+        blocks = self._page_range(page)
+        self._kv_unheld_blocks -= len(blocks)
+        self._kv_block_held[blocks.start:blocks.stop] = b"\x01" * len(blocks)
         parked = self._kv_parked.pop(page, None)
         if parked:
             self._kv_parked_count -= len(parked)
@@ -164,7 +169,9 @@ class ElasticBlockPoolMixin:
 
     def _drop_page(self, page: int) -> None:
         self._kv_held.discard(page)
-        self._kv_unheld_blocks += self._page_blocks(page)
+        blocks = self._page_range(page)
+        self._kv_unheld_blocks += len(blocks)
+        self._kv_block_held[blocks.start:blocks.stop] = bytes(len(blocks))
 
     def _held_free_blocks(self) -> int:
         queued_unheld = self._kv_unheld_blocks - self._kv_parked_count
@@ -200,22 +207,41 @@ class ElasticBlockPoolMixin:
             mappable = self._kv_mappable_now = int(self._kv_available_size())
         return mappable
 
-    def fits_in_held_pages(self, tokens: int, groups: int) -> bool:
+    def make_room_in_held_pages(self, tokens: int, groups: int) -> bool:
         """Whether adding at most `tokens` tokens to one request in each of `groups` KV cache
-        groups needs no block beyond the free blocks of held pages: such an allocation maps
-        nothing, so it cannot lose a page race to another engine.
+        groups surely needs no block beyond the free blocks of held pages, after holding one
+        more page when that is all they lack and the pool has it now. Such an allocation maps
+        nothing, so it cannot lose a page race to another engine (the caller then skips the
+        snapshot that undoes a lost race).
 
         A request holding the blocks of its c computed tokens needs at most
         ceil((c + t) / b) - ceil(c / b) <= ceil(t / b) new blocks for t more tokens (one more
         is allowed for slack). False until the block size is known. Asked once per request
-        and step, so `_held_free_blocks` is inlined.
+        and step, so `_held_free_blocks` is inlined. Decode steps run short of held blocks
+        every few steps (a page holds a few hundred blocks at most, a step of 64 requests in
+        7 groups takes about 28): the page a later call would have mapped mid-allocation is
+        mapped here, before any group took a block. Only within one page of what is held
+        and within what the pool can map: a long prompt's bound (every group as if it kept
+        every token) would map pages that sliding-window groups never fill, and a request
+        that cannot be admitted maps nothing. A page held here and not used is not idle
+        for `release_idle_pages` (no block of it was freed), so it is not mapped and dropped
+        step after step.
         """
         block_tokens = self._kv_block_tokens
         if block_tokens <= 0:
             return False
-        held_free = (self.free_block_queue.num_free_blocks - self._kv_unheld_blocks
-                     + self._kv_parked_count)
-        return held_free >= groups * (-(-tokens // block_tokens) + 1)
+        need = groups * (-(-tokens // block_tokens) + 1)
+        missing = need - (self.free_block_queue.num_free_blocks - self._kv_unheld_blocks
+                          + self._kv_parked_count)
+        if missing <= 0:
+            return True
+        if missing > self._kv_k or need > self.get_num_free_blocks():
+            return False
+        try:
+            self._map_pages_for(missing)
+        except PoolExhausted:  # a neighbour took the page: the caller's snapshot path decides
+            return False
+        return True
 
     # ------------------------------------------------------------------ allocation
 
@@ -237,16 +263,22 @@ class ElasticBlockPoolMixin:
                 return super().get_new_blocks(num_blocks)  # type: ignore[misc]
             self._map_pages_for(num_blocks - held_free)
         chosen: list[Any] = []
-        held, page_of, parked = self._kv_held, self._kv_tiling.page_of, self._kv_parked
-        while len(chosen) < num_blocks:
-            block = queue.popleft()
-            page = page_of(block.block_id)  # None: it straddles two pages, parked for ever
-            if page in held:
-                chosen.append(block)
-            else:
-                # A block of an unbacked page carries no data: it waits for its page.
-                parked.setdefault(page, []).append(block)
-                self._kv_parked_count += 1
+        held = self._kv_block_held
+        # vLLM >= 0.10 takes several blocks in one call; 0.9's queue has popleft only.
+        take_n = getattr(queue, "popleft_n", None)
+        missing = num_blocks
+        while missing:
+            for block in (take_n(missing) if take_n is not None
+                          else [queue.popleft() for _ in range(missing)]):
+                if held[block.block_id]:
+                    chosen.append(block)
+                else:
+                    # A block of an unbacked page carries no data: it waits for its page
+                    # (page None: it straddles two pages, parked for ever).
+                    self._kv_parked.setdefault(
+                        self._kv_tiling.page_of(block.block_id), []).append(block)
+                    self._kv_parked_count += 1
+            missing = num_blocks - len(chosen)
         # vLLM's own get_new_blocks does the per-block work (cache eviction, KV events,
         # ref counts, metrics) on exactly the chosen blocks, in queue order.
         self.free_block_queue = _ChosenBlocks(chosen)

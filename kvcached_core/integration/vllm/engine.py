@@ -267,9 +267,9 @@ def none_on_pool_exhausted(allocate_slots: F) -> F:
         except TypeError:
             tokens = None
         if (type(tokens) is int and tokens >= 0
-                and block_pool.fits_in_held_pages(tokens, len(managers))):
+                and block_pool.make_room_in_held_pages(tokens, len(managers))):
             # Nothing to map, so no page race to lose: skip the snapshot, which costs
-            # more than the allocation itself, on every decode step of every request.
+            # more than the allocation itself, on nearly every decode step of every request.
             return allocate_slots(self, request, *args, **kwargs)
         request_id = request.request_id
         before = [len(m.req_to_blocks[request_id]) if request_id in m.req_to_blocks else None
