@@ -125,6 +125,16 @@ assert logical == 256 - 1 - len(held), (logical, len(held))
 bp._kv_logical_view = True
 assert bp.get_num_free_blocks() == logical
 bp._kv_logical_view = False
+# The first idle step end takes every block of a page not held out of vLLM's queue: the
+# queue then holds exactly the free blocks of held pages, and nothing is lost.
+before = bp.get_num_free_blocks()
+bp._park_queued_unheld_blocks()
+assert bp.free_block_queue.num_free_blocks == bp._held_free_blocks()
+assert bp.free_block_queue.num_free_blocks + bp._kv_parked_count == logical
+assert bp.get_num_free_blocks() == before
+again = bp.get_new_blocks(3)
+assert {{b.block_id // 4 for b in again}} <= bp._kv_held
+bp.free_blocks(again)
 bp.free_blocks(held)
 assert bp.release_idle_pages(16) >= 1
 assert bp.reset_prefix_cache()

@@ -51,6 +51,9 @@ class _FreeQueue:
     def append(self, block: _Block) -> None:
         self._blocks.append(block)
 
+    def remove(self, block: _Block) -> None:
+        self._blocks.remove(block)
+
 
 class StandInBlockPool:
     """vLLM's BlockPool as far as the elastic mixin uses it (no prefix caching)."""
@@ -350,3 +353,38 @@ def test_chosen_blocks_hand_out_exactly_the_chosen_blocks_in_order() -> None:
     assert chosen.num_free_blocks == 0
     with pytest.raises(ValueError):
         chosen.popleft_n(1)
+
+
+def test_a_burst_after_an_idle_spell_passes_over_no_block_of_a_page_given_back(
+    engine_env: None,
+) -> None:
+    """Bursts with idle gaps get the same low pages back each time: their first allocations
+    take blocks of those pages straight from the queue instead of passing over the blocks of
+    pages given back (which would sit at the queue's tail) or of pages never used (ahead of
+    them, from start); the walk that parks those happens once, at the first idle step end."""
+    pool = _register_pool()
+    block_pool: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
+    idle = SimpleNamespace(scheduler=SimpleNamespace(block_size=16,
+                                                     has_unfinished_requests=lambda: False),
+                           batch_queue=None)
+    popped: list[int] = []
+    queue = block_pool.free_block_queue
+    popleft = queue.popleft
+
+    def counting_popleft() -> _Block:
+        block = popleft()
+        popped.append(block.block_id)
+        return block
+
+    queue.popleft = counting_popleft
+    for burst in range(3):
+        popped.clear()
+        taken = [block_pool.get_new_blocks(1)[0] for _ in range(9)]  # 3 pages' worth
+        assert all(block.block_id // BLOCKS_PER_PAGE in block_pool._kv_held for block in taken)
+        if burst > 0:
+            assert popped == [block.block_id for block in taken]  # none passed over
+        block_pool.free_blocks(taken)
+        engine.on_step_end(idle, block_pool, 0)  # idle: the pages go back
+        assert pool.snapshot().in_use_pages == 1
+        assert {b.block_id // BLOCKS_PER_PAGE for b in queue._blocks} == {0}
+    assert block_pool.get_num_free_blocks() == NUM_BLOCKS - 1

@@ -121,10 +121,12 @@ class ElasticBlockPoolMixin:
         # Blocks that straddle two pages: counted as unheld for ever, parked when met.
         self._kv_unusable = self.num_gpu_blocks - sum(
             self._page_blocks(page) for page in range(num_pages))
-        # Free blocks of unbacked pages met at the head of vLLM's free queue are parked here,
-        # out of the queue, until their page is backed: each is passed over once instead of
-        # on every allocation (the queue holds every block of the virtual KV space).
-        # (Key None: blocks that straddle two pages, parked for good.)
+        # Free blocks of pages not held wait here, out of vLLM's free queue, until their page
+        # is held: those an allocation meets at the head of the queue (the queue starts with
+        # every block of the virtual KV space), those of a page given back (`_drop_page`),
+        # and at the first idle step end all the rest (`_park_queued_unheld_blocks`). Each is
+        # passed over at most once instead of on every allocation. (Key None: blocks that
+        # straddle two pages, parked for good.)
         self._kv_parked: dict[int | None, list[Any]] = {}
         self._kv_parked_count = 0
         self._kv_dirty: set[int] = set()
@@ -168,10 +170,42 @@ class ElasticBlockPoolMixin:
                 queue.append(block)
 
     def _drop_page(self, page: int) -> None:
+        """Page `page` is given back: its blocks, all free and queued then, leave vLLM's queue
+        and wait parked until the page is held again. Left queued, they would sit at its tail
+        and the next burst, which gets the same low pages back, would pass over every one of
+        them on its first allocations (about ten thousand blocks a burst on a GPU)."""
         self._kv_held.discard(page)
-        blocks = self._page_range(page)
-        self._kv_unheld_blocks += len(blocks)
-        self._kv_block_held[blocks.start:blocks.stop] = bytes(len(blocks))
+        span = self._page_range(page)
+        self._kv_unheld_blocks += len(span)
+        self._kv_block_held[span.start:span.stop] = bytes(len(span))
+        blocks = self.blocks[span.start:span.stop]
+        queue = self.free_block_queue
+        for block in blocks:
+            queue.remove(block)
+        self._kv_parked.setdefault(page, []).extend(blocks)
+        self._kv_parked_count += len(blocks)
+
+    def _park_queued_unheld_blocks(self) -> None:
+        """Take every block of a page not held out of vLLM's queue, once the engine is idle.
+
+        At start the queue holds every block of the virtual KV space; allocations park those
+        they meet, and pages given back park their own (`_drop_page`), but the blocks of pages
+        never used stay queued ahead of the freed ones. The first allocation after an idle
+        spell, which gets the same low pages back, would pass over all of them (hundreds of
+        thousands on a large GPU). This moves that walk to the first idle step end, once per
+        engine: afterwards the queue holds only blocks of held pages, and get_new_blocks is
+        vLLM's own whenever they suffice.
+        """
+        queue, parked, held = self.free_block_queue, self._kv_parked, self._kv_block_held
+        page_of = self._kv_tiling.page_of
+        already = {block.block_id for blocks in parked.values() for block in blocks}
+        for block in self.blocks:
+            block_id = block.block_id
+            if held[block_id] or block_id in already:
+                continue  # handed out or queued in a held page, or parked before
+            queue.remove(block)  # free: no block of a page not held is ever in use
+            parked.setdefault(page_of(block_id), []).append(block)
+            self._kv_parked_count += 1
 
     def _held_free_blocks(self) -> int:
         queued_unheld = self._kv_unheld_blocks - self._kv_parked_count
@@ -262,6 +296,10 @@ class ElasticBlockPoolMixin:
             if num_blocks <= 0:
                 return super().get_new_blocks(num_blocks)  # type: ignore[misc]
             self._map_pages_for(num_blocks - held_free)
+        if self._kv_unheld_blocks == self._kv_parked_count:
+            # Every queued block lies in a held page (the usual case once the engine has
+            # been idle once: `_park_queued_unheld_blocks`): vLLM's own method takes them.
+            return super().get_new_blocks(num_blocks)  # type: ignore[misc]
         chosen: list[Any] = []
         held = self._kv_block_held
         # vLLM >= 0.10 takes several blocks in one call; 0.9's queue has popleft only.
@@ -433,6 +471,8 @@ class ElasticBlockPoolMixin:
         markers.append(pool.capture_release_marker())
         while len(markers) > lag:
             pool.release_retired_through(markers.popleft())
+        if self._kv_unheld_blocks != self._kv_parked_count and is_drained():
+            self._park_queued_unheld_blocks()
         if (markers or pool.reserve_pages) and is_drained():
             if markers:
                 pool.release_retired_through(markers[-1])  # the newest covers every older one
