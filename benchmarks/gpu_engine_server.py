@@ -62,13 +62,10 @@ def percentile(values: list[float], fraction: float) -> float | None:
 # ---------------------------------------------------------------------------------- child
 
 
-def _driver_op_stats() -> dict[str, tuple[int, int]]:
-    """{driver call: (calls, ns)} of this process's CUDA backend ({} on the host backend)."""
-    from kvcached_core import _C
-    try:
-        return dict(_C.cuda_backend(0).op_stats())
-    except Exception:  # no CUDA device: the CPU runs of this server
-        return {}
+def _driver_op_stats(pool: Any) -> dict[str, tuple[int, int]]:
+    """{driver call: (calls, ns)} of the backend behind `pool` ({} on the host backend).
+    The pool's own backend: each `cuda_backend()` call makes a new one, with counts of its own."""
+    return dict(pool.backend.op_stats())
 
 
 def _op_stats_delta(before: dict[str, tuple[int, int]],
@@ -146,7 +143,7 @@ def serve(args: argparse.Namespace) -> int:
         # scheduler and model runner included), its statistics written to PATH.
         profiler = cProfile.Profile() if command[0] == "profile" else None
         before = pool.snapshot() if pool is not None else None
-        ops_before = _driver_op_stats() if pool is not None else {}
+        ops_before = _driver_op_stats(pool) if pool is not None else {}
         t0 = time.perf_counter()
         try:
             if profiler is not None:
@@ -182,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
                 unmap_calls=after.unmap_calls - before.unmap_calls,
                 unmap_ns=after.unmap_ns_total - before.unmap_ns_total,
                 mapped_pages_after=after.mapped_pages,
-                driver_ops=_op_stats_delta(ops_before, _driver_op_stats()),
+                driver_ops=_op_stats_delta(ops_before, _driver_op_stats(pool)),
             )
         _emit(burst)
     try:  # the patched engine releases its pages and removes its pool record
