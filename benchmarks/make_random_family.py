@@ -36,16 +36,20 @@ _GEMMA3_TINY = dict(num_hidden_layers=8, hidden_size=256, intermediate_size=512,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                     sliding_window=128,
                     layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2)
+
+
+def _gemma3_layer_types(layers: int) -> list[str]:
+    """Gemma 3's pattern: five sliding-window layers, then one full-attention layer."""
+    return [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
+            for i in range(layers)]
+
+
 _GEMMA3_1B = dict(num_hidden_layers=26, hidden_size=1152, intermediate_size=6912,
                   num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                  sliding_window=512,
-                  layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
-                               for i in range(26)])
+                  sliding_window=512, layer_types=_gemma3_layer_types(26))
 _GEMMA3_4B = dict(num_hidden_layers=34, hidden_size=2560, intermediate_size=10240,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                  sliding_window=1024,
-                  layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
-                               for i in range(34)])
+                  sliding_window=1024, layer_types=_gemma3_layer_types(34))
 _MLA = dict(q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
             v_head_dim=128, rope_scaling=None, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=128)

@@ -109,9 +109,6 @@ class ElasticBlockPoolMixin:
         num_pages = tiling.pages_for(self.num_gpu_blocks)
         self._kv_num_pages = num_pages
         self._kv_held: set[int] = set()  # the pages whose blocks may be handed out
-        # Per vLLM block, 1 while its page is held (a straddling block is never 1): what
-        # get_new_blocks asks of every block it takes, without working out its page.
-        self._kv_block_held = bytearray(self.num_gpu_blocks)
         # When each page last had a block freed (a tick per free_blocks call): trimming evicts
         # the least recently freed pages first without walking vLLM's free queue, which holds
         # every block of the virtual KV space (hundreds of thousands on a large GPU).
@@ -159,9 +156,7 @@ class ElasticBlockPoolMixin:
 
     def _hold_page(self, page: int) -> None:
         self._kv_held.add(page)
-        blocks = self._page_range(page)
-        self._kv_unheld_blocks -= len(blocks)
-        self._kv_block_held[blocks.start:blocks.stop] = b"\x01" * len(blocks)
+        self._kv_unheld_blocks -= self._page_blocks(page)
         parked = self._kv_parked.pop(page, None)
         if parked:
             self._kv_parked_count -= len(parked)
@@ -177,7 +172,6 @@ class ElasticBlockPoolMixin:
         self._kv_held.discard(page)
         span = self._page_range(page)
         self._kv_unheld_blocks += len(span)
-        self._kv_block_held[span.start:span.stop] = bytes(len(span))
         blocks = self.blocks[span.start:span.stop]
         queue = self.free_block_queue
         for block in blocks:
@@ -196,15 +190,17 @@ class ElasticBlockPoolMixin:
         engine: afterwards the queue holds only blocks of held pages, and get_new_blocks is
         vLLM's own whenever they suffice.
         """
-        queue, parked, held = self.free_block_queue, self._kv_parked, self._kv_block_held
+        queue, parked, held = self.free_block_queue, self._kv_parked, self._kv_held
         page_of = self._kv_tiling.page_of
         already = {block.block_id for blocks in parked.values() for block in blocks}
         for block in self.blocks:
-            block_id = block.block_id
-            if held[block_id] or block_id in already:
-                continue  # handed out or queued in a held page, or parked before
+            if block.block_id in already:
+                continue
+            page = page_of(block.block_id)  # None: it straddles two pages
+            if page in held:
+                continue  # handed out, or queued in a held page
             queue.remove(block)  # free: no block of a page not held is ever in use
-            parked.setdefault(page_of(block_id), []).append(block)
+            parked.setdefault(page, []).append(block)
             self._kv_parked_count += 1
 
     def _held_free_blocks(self) -> int:
@@ -301,20 +297,20 @@ class ElasticBlockPoolMixin:
             # been idle once: `_park_queued_unheld_blocks`): vLLM's own method takes them.
             return super().get_new_blocks(num_blocks)  # type: ignore[misc]
         chosen: list[Any] = []
-        held = self._kv_block_held
+        held, page_of = self._kv_held, self._kv_tiling.page_of
         # vLLM >= 0.10 takes several blocks in one call; 0.9's queue has popleft only.
         take_n = getattr(queue, "popleft_n", None)
         missing = num_blocks
         while missing:
             for block in (take_n(missing) if take_n is not None
                           else [queue.popleft() for _ in range(missing)]):
-                if held[block.block_id]:
+                page = page_of(block.block_id)  # None: it straddles two pages
+                if page in held:
                     chosen.append(block)
                 else:
                     # A block of an unbacked page carries no data: it waits for its page
-                    # (page None: it straddles two pages, parked for ever).
-                    self._kv_parked.setdefault(
-                        self._kv_tiling.page_of(block.block_id), []).append(block)
+                    # (a straddling block, for ever).
+                    self._kv_parked.setdefault(page, []).append(block)
                     self._kv_parked_count += 1
             missing = num_blocks - len(chosen)
         # vLLM's own get_new_blocks does the per-block work (cache eviction, KV events,
@@ -457,7 +453,8 @@ class ElasticBlockPoolMixin:
         Pages freed during this step are retired now and unmapped once `lag` more steps have
         ended (0: at once; the batches still in flight might read them until then, see
         `engine.released_after_step`). When the engine has drained (`is_drained()`: no request
-        left and no batch in flight; asked only while retired or reserve pages are held), every
+        left and no batch in flight; asked only while retired or reserve pages are held, or blocks
+        of pages not held are still queued), every
         retired page is unmapped at once, since no batch is left to read it and an idle engine
         takes no further step that would release it, and the reserve is unmapped too: reserve
         pages hold no block, and the next allocation refills it.
@@ -471,9 +468,11 @@ class ElasticBlockPoolMixin:
         markers.append(pool.capture_release_marker())
         while len(markers) > lag:
             pool.release_retired_through(markers.popleft())
-        if self._kv_unheld_blocks != self._kv_parked_count and is_drained():
-            self._park_queued_unheld_blocks()
-        if (markers or pool.reserve_pages) and is_drained():
+        queued_unheld = self._kv_unheld_blocks != self._kv_parked_count
+        # is_drained may wait for the batches in flight: asked once, and only when needed.
+        if (queued_unheld or markers or pool.reserve_pages) and is_drained():
+            if queued_unheld:
+                self._park_queued_unheld_blocks()
             if markers:
                 pool.release_retired_through(markers[-1])  # the newest covers every older one
                 markers.clear()
