@@ -65,6 +65,7 @@ from codemods.sglang.startup_memory_model_runner import (
 from codemods.vllm import allocate_slots as _vllm_allocate_slots
 from codemods.vllm import block_pool as _vllm_block_pool
 from codemods.vllm import engine_core as _vllm_engine_core
+from codemods.vllm import engine_executor as _vllm_engine_executor
 from codemods.vllm import kv_buffers as _vllm_kv_buffers
 from codemods.vllm import kv_buffers_attn_groups as _vllm_kv_buffers_attn_groups
 from codemods.vllm import kv_buffers_shared_helper as _vllm_kv_buffers_shared_helper
@@ -85,6 +86,10 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("vllm", "step-end-release"),
     RequiredSeam("vllm", "shutdown"),
     RequiredSeam("vllm", "kv-budget"),
+    RequiredSeam("vllm", "engine-executor", ">=0.32",
+                 note="the Ray executor's workers are reached through the executor's own RPC "
+                      "(proven on the CPU engine from 0.32, the newest cell with a CPU build); "
+                      "older cells refuse the Ray executor at start"),
     RequiredSeam("vllm", "startup-free-memory",
                  note="the GPU worker refuses to start when free memory is below its share"),
     RequiredSeam("vllm", "memory-profile-check",
@@ -1119,6 +1124,25 @@ CODEMODS += [
         codemod=_vllm_engine_core.ClosePoolOnShutdown,
         forwarded="no",
         last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-engine-executor",
+        seam="engine-executor",
+        engine="vllm",
+        versions=">=0.32,<0.35",
+        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches (decorator)",
+        targets=("{package}/v1/engine/core.py",),
+        expected_hits=1,
+        why="The Ray executor's workers may run on other nodes, out of reach of the sockets "
+            "the mp executor's workers are served on: while the KV caches are sized, kvcached "
+            "is handed the engine's executor, whose own collective_rpc then tells each worker "
+            "its job and carries every page map and unmap. Cells without this seam refuse the "
+            "Ray executor at start.",
+        retire_when="vLLM lets a KV-cache allocator reach the workers through the executor "
+                    "(a worker-side allocator hook or an RPC handle on the scheduler).",
+        codemod=_vllm_engine_executor.KVSizedWithExecutor,
+        forwarded="no",
+        last_update="2026-12-06",
     ),
     CodemodDeclaration(
         id="vllm-kv-budget",

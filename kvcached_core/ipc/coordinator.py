@@ -1,7 +1,10 @@
 """The coordinator side: a PageMapper that maps and unmaps on every worker rank.
 
 The scheduler process builds its `PageAllocator` over a `BroadcastMapper`; every page it maps
-or unmaps is then mapped or unmapped on each (stage, rank) worker through that rank's socket.
+or unmaps is then mapped or unmapped on each (stage, rank) worker. A `Carrier` takes the
+requests there: `SocketCarrier` through each rank's private Unix socket (workers on this host),
+`RpcCarrier` through the engine's own worker RPC (workers the engine reaches on other hosts);
+the rules below are the same over either.
 
 - Map: sent to every rank at once. When some rank fails, the pages newly mapped on the ranks
   that succeeded are unmapped again; a rank that did not answer, or a rollback that cannot be
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from kvcached_core import _C
 from kvcached_core.errors import (
@@ -35,7 +38,7 @@ from kvcached_core.errors import (
     PoolExhausted,
     StateConsistencyError,
 )
-from kvcached_core.ipc.paths import WorkerAddress, check_private_dir, job_addresses
+from kvcached_core.ipc.paths import RankId, WorkerAddress, check_private_dir, job_addresses
 from kvcached_core.ipc.protocol import (
     PROTOCOL_VERSION,
     Command,
@@ -50,6 +53,7 @@ from kvcached_core.ipc.protocol import (
     is_int,
     recv_frame,
     send_frame,
+    whole_frame_payload,
 )
 from kvcached_core.settings import current_settings
 
@@ -65,7 +69,7 @@ def ipc_timeout_s() -> float:
 class WorkerCallError(RuntimeError):
     """A worker refused or failed a call cleanly (its memory is as it was before the call)."""
 
-    def __init__(self, address: WorkerAddress, command: str, kind: str, message: str) -> None:
+    def __init__(self, address: RankId, command: str, kind: str, message: str) -> None:
         super().__init__(f"{address.label} {command}: {kind}: {message}")
         self.address = address
         self.command = command
@@ -80,7 +84,7 @@ class RecoveryRefused(StateConsistencyError):
 class Outcome:
     """How one rank answered one exchange."""
 
-    address: WorkerAddress
+    address: RankId
     command: str
     reply: Reply | None  # None: no reply
     delivered: bool  # False only when the request certainly never reached the rank
@@ -109,7 +113,7 @@ class Outcome:
 class WorkerState:
     """What one rank reports about its tensors."""
 
-    address: WorkerAddress
+    address: RankId
     mapped: list[int]
     quarantined: list[int]
     pending_txn: int | None
@@ -119,7 +123,7 @@ class WorkerState:
     txn_history: dict[int, str]
 
     @classmethod
-    def from_reply(cls, address: WorkerAddress, result: Mapping[str, Any]) -> WorkerState:
+    def from_reply(cls, address: RankId, result: Mapping[str, Any]) -> WorkerState:
         history_raw = result.get("txn_history")
         if not isinstance(history_raw, list) or not all(
             isinstance(entry, list)
@@ -201,6 +205,146 @@ class _Channel:
             self._sock = None
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """What became of one request: its reply, or the error that stands for it."""
+
+    reply: Reply | None
+    delivered: bool  # False only when the request certainly never reached the rank
+    error: BaseException | None = None
+
+
+class Carrier(Protocol):
+    """Takes one exchange's requests to their ranks and brings the replies back."""
+
+    @property
+    def ranks(self) -> Sequence[RankId]: ...
+
+    def exchange(
+        self, requests: Sequence[tuple[RankId, int, bytes]], deadline: float
+    ) -> list[Delivery]:
+        """One Delivery per (rank, request id, frame), in order; never raises."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SocketCarrier:
+    """Each rank's private Unix socket (`worker.WorkerListener`), one connection per rank."""
+
+    def __init__(self, addresses: Sequence[WorkerAddress]) -> None:
+        for directory in sorted({address.path.parent for address in addresses}):
+            check_private_dir(directory)  # never talk to a socket someone else could replace
+        self._addresses = list(addresses)
+        self._channels: dict[RankId, _Channel] = {a: _Channel(a) for a in addresses}
+
+    @property
+    def ranks(self) -> Sequence[RankId]:
+        return self._addresses
+
+    def exchange(
+        self, requests: Sequence[tuple[RankId, int, bytes]], deadline: float
+    ) -> list[Delivery]:
+        """Send to every rank first, then collect the replies: the ranks work in parallel."""
+        done: dict[int, Delivery] = {}
+        waiting: list[tuple[int, _Channel, int]] = []
+        for index, (rank, request_id, frame) in enumerate(requests):
+            channel = self._channels[rank]
+            try:
+                channel.send(frame, deadline)
+            except _NotDelivered as exc:
+                done[index] = Delivery(None, False, exc)
+                continue
+            except (OSError, ProtocolError) as exc:
+                channel.close()
+                done[index] = Delivery(None, True, exc)
+                continue
+            waiting.append((index, channel, request_id))
+        for index, channel, request_id in waiting:
+            try:
+                done[index] = Delivery(channel.receive(request_id, deadline), True)
+            except (OSError, ProtocolError) as exc:
+                channel.close()
+                done[index] = Delivery(None, True, exc)
+        return [done[index] for index in range(len(requests))]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+
+#: The engine's worker RPC: run `worker.answer_broadcast(<job>, frames)` in every worker
+#: process within `timeout` seconds and return what each returned (any order).
+Broadcast = Callable[[dict[str, bytes], float], Sequence[Any]]
+
+
+class RpcCarrier:
+    """The engine's own worker RPC: one broadcast carries every addressed rank's frame, and
+    every worker process answers for the rank it serves (`worker.answer_broadcast`).
+
+    A broadcast that fails or times out may have reached some workers, so every rank of it
+    is in an unknown state; one that returns but in which no worker serves a rank certainly
+    did not reach that rank.
+    """
+
+    def __init__(self, ranks: Sequence[RankId], broadcast: Broadcast) -> None:
+        self._ranks = list(ranks)
+        self._broadcast = broadcast
+
+    @property
+    def ranks(self) -> Sequence[RankId]:
+        return self._ranks
+
+    def exchange(
+        self, requests: Sequence[tuple[RankId, int, bytes]], deadline: float
+    ) -> list[Delivery]:
+        frames = {rank.key: frame for rank, _, frame in requests}
+        try:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise TimeoutError("deadline passed")
+            answers = self._broadcast(frames, timeout)
+            replies = _replies_by_rank(answers)
+        except Exception as exc:  # the engine's RPC raises its own kinds (a dead actor, ...)
+            return [Delivery(None, True, exc) for _ in requests]
+        delivered: list[Delivery] = []
+        for rank, request_id, _ in requests:
+            frame = replies.get(rank.key)
+            if frame is None:
+                delivered.append(Delivery(None, False, _NotDelivered(
+                    f"no worker process of the engine serves {rank.label}")))
+                continue
+            try:
+                reply = decode_reply(whole_frame_payload(frame))
+                if reply.request_id != request_id:
+                    raise ProtocolError(
+                        f"reply to request {reply.request_id}, expected {request_id}")
+            except ProtocolError as exc:
+                delivered.append(Delivery(None, True, exc))
+                continue
+            delivered.append(Delivery(reply, True))
+        return delivered
+
+    def close(self) -> None:
+        return None
+
+
+def _replies_by_rank(answers: Sequence[Any]) -> dict[str, bytes]:
+    """`answer_broadcast`'s answers by rank key; a malformed or doubled answer is an error."""
+    replies: dict[str, bytes] = {}
+    for answer in answers:
+        if answer is None:
+            continue
+        if not (isinstance(answer, dict) and is_int(answer.get("rank"))
+                and is_int(answer.get("pp_rank")) and isinstance(answer.get("reply"), bytes)):
+            raise ProtocolError(f"malformed answer to a broadcast: {answer!r:.200}")
+        key = RankId(answer["rank"], answer["pp_rank"]).key
+        if key in replies:
+            raise ProtocolError(f"two worker processes answered for rank key {key}")
+        replies[key] = answer["reply"]
+    return replies
+
+
 _SEVERITY = {
     ErrorKind.STATE_CONSISTENCY.value: 4,
     ErrorKind.MAP_QUARANTINED.value: 3,
@@ -239,24 +383,22 @@ class BroadcastMapper(_C.PageMapper):
 
     def __init__(
         self,
-        addresses: Sequence[WorkerAddress],
+        carrier: Carrier,
         *,
         timeout_s: float | None = None,
         commit_attempts: int = 3,
         retry_delay_s: float = 0.05,
     ) -> None:
         super().__init__()
-        if not addresses:
-            raise KVCachedConfigError("a BroadcastMapper needs at least one worker address")
+        if not carrier.ranks:
+            raise KVCachedConfigError("a BroadcastMapper needs at least one worker rank")
         if commit_attempts < 1:
             raise KVCachedConfigError(f"commit_attempts must be >= 1, got {commit_attempts}")
-        self.addresses = list(addresses)
+        self.ranks = list(carrier.ranks)
         self.timeout_s = ipc_timeout_s() if timeout_s is None else float(timeout_s)
         self.commit_attempts = commit_attempts
         self.retry_delay_s = retry_delay_s
-        for directory in sorted({address.path.parent for address in self.addresses}):
-            check_private_dir(directory)  # never talk to a socket someone else could replace
-        self._channels = {address: _Channel(address) for address in self.addresses}
+        self._carrier = carrier
         self._request_ids = itertools.count(1)
         self._lock = threading.Lock()  # one broadcast at a time: every rank sees the same order
         self._pending: int | None = None
@@ -264,59 +406,47 @@ class BroadcastMapper(_C.PageMapper):
         self._num_logical_pages = 0
         self._logical_page_bytes = 0
         self._tensors_created = False
-        self._handshake()
+        try:
+            self._handshake()
+        except BaseException:
+            carrier.close()
+            raise
 
     @classmethod
     def for_job(
         cls, root: str | os.PathLike[str], tp_size: int, pp_size: int = 1, **options: Any
     ) -> BroadcastMapper:
-        return cls(job_addresses(Path(root), tp_size, pp_size), **options)
+        """Over the sockets of a job's workers on this host."""
+        return cls(SocketCarrier(job_addresses(Path(root), tp_size, pp_size)), **options)
 
     # ------------------------------------------------------------------ exchanges
 
     def _exchange(
         self,
         command: Command,
-        args: Mapping[str, Any] | Callable[[WorkerAddress], Mapping[str, Any]],
-        targets: Sequence[WorkerAddress] | None = None,
+        args: Mapping[str, Any] | Callable[[RankId], Mapping[str, Any]],
+        targets: Sequence[RankId] | None = None,
     ) -> list[Outcome]:
-        """Send `command` to every target first, then collect the replies: the ranks work in
-        parallel and the whole exchange shares one deadline."""
-        targets = list(self.addresses if targets is None else targets)
+        """Send `command` to every target; the ranks work in parallel and the whole exchange
+        shares one deadline."""
+        targets = list(self.ranks if targets is None else targets)
         deadline = time.monotonic() + self.timeout_s
-        outcomes: dict[WorkerAddress, Outcome] = {}
-        waiting: list[tuple[WorkerAddress, int]] = []
-        for address in targets:
-            channel = self._channels[address]
+        requests = []
+        for rank in targets:
+            rank_args = args(rank) if callable(args) else args
             request_id = next(self._request_ids)
-            rank_args = args(address) if callable(args) else args
             frame = encode_request(Request(request_id, command.value, dict(rank_args)))
-            try:
-                channel.send(frame, deadline)
-            except _NotDelivered as exc:
-                outcomes[address] = Outcome(address, command.value, None, False, str(exc))
-                continue
-            except (OSError, ProtocolError) as exc:
-                channel.close()
-                outcomes[address] = Outcome(
-                    address, command.value, None, True, self._failure_text(exc)
-                )
-                continue
-            waiting.append((address, request_id))
-        for address, request_id in waiting:
-            channel = self._channels[address]
-            try:
-                reply = channel.receive(request_id, deadline)
-            except (OSError, ProtocolError) as exc:
-                channel.close()
-                outcomes[address] = Outcome(
-                    address, command.value, None, True, self._failure_text(exc)
-                )
-                continue
-            outcomes[address] = Outcome(address, command.value, reply, True)
-        return [outcomes[address] for address in targets]
+            requests.append((rank, request_id, frame))
+        deliveries = self._carrier.exchange(requests, deadline)
+        return [
+            Outcome(rank, command.value, d.reply, d.delivered,
+                    "" if d.error is None else self._failure_text(d.error))
+            for rank, d in zip(targets, deliveries, strict=True)
+        ]
 
     def _failure_text(self, exc: BaseException) -> str:
+        if isinstance(exc, _NotDelivered):
+            return str(exc)
         if isinstance(exc, TimeoutError):
             return f"no answer within {self.timeout_s:g} s ({TIMEOUT_ENV})"
         return f"connection failed: {exc}"
@@ -334,7 +464,7 @@ class BroadcastMapper(_C.PageMapper):
 
     def _handshake(self) -> None:
         outcomes = self._call_all(Command.HELLO, {})
-        pages: dict[WorkerAddress, int] = {}
+        pages: dict[RankId, int] = {}
         highest = 0
         for outcome in outcomes:
             assert outcome.reply is not None
@@ -347,7 +477,7 @@ class BroadcastMapper(_C.PageMapper):
                 )
             if (result.get("rank"), result.get("pp_rank")) != (address.rank, address.pp_rank):
                 raise KVCachedConfigError(
-                    f"the socket of {address.label} ({address.path}) is served by rank "
+                    f"the requests for {address.label} ({address.route}) are served by rank "
                     f"{result.get('rank')!r} (pp {result.get('pp_rank')!r})"
                 )
             if result.get("tensors_created") is not True:
@@ -374,7 +504,7 @@ class BroadcastMapper(_C.PageMapper):
         with self._lock:
             outcomes = self._exchange(Command.MAP, {"page_ids": ids})
             failures = [o for o in outcomes if not o.ok]
-            newly: dict[WorkerAddress, list[int]] = {}
+            newly: dict[RankId, list[int]] = {}
             for outcome in outcomes:
                 if outcome.ok:
                     assert outcome.reply is not None
@@ -463,7 +593,7 @@ class BroadcastMapper(_C.PageMapper):
     def _commit_locked(self, txn: int) -> None:
         """COMMIT on every rank. A rank that does not answer is asked again (a commit is never
         turned into an abort); a refusal, or silence after every attempt, is fatal."""
-        remaining = list(self.addresses)
+        remaining = list(self.ranks)
         silent: list[Outcome] = []
         for attempt in range(self.commit_attempts):
             if attempt:
@@ -487,7 +617,7 @@ class BroadcastMapper(_C.PageMapper):
     def _abort_locked(self, txn: int) -> list[str]:
         """ABORT on every rank (also those that never saw the prepare: they record the abort,
         so a late prepare is rejected). Returns what could not be confirmed."""
-        remaining = list(self.addresses)
+        remaining = list(self.ranks)
         unconfirmed: list[str] = []
         for attempt in range(self.commit_attempts):
             if attempt:
@@ -610,8 +740,7 @@ class BroadcastMapper(_C.PageMapper):
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
+            self._carrier.close()
 
 
 def _divergence(states: Sequence[WorkerState]) -> str:

@@ -23,16 +23,42 @@ PRIVATE_MODE = 0o700
 
 
 @dataclass(frozen=True)
-class WorkerAddress:
-    """The socket of one rank of one pipeline stage."""
+class RankId:
+    """One rank of one pipeline stage, however the coordinator reaches it."""
 
     rank: int
     pp_rank: int
-    path: Path
 
     @property
     def label(self) -> str:
         return f"rank {self.rank} (pp {self.pp_rank})"
+
+    @property
+    def key(self) -> str:
+        """How a broadcast over the engine's own RPC names this rank's request."""
+        return f"{self.pp_rank}/{self.rank}"
+
+    @property
+    def route(self) -> str:
+        return "the engine's worker RPC"
+
+
+def job_ranks(tp_size: int, pp_size: int = 1) -> list[RankId]:
+    """Every (stage, rank) of a job, stage-major."""
+    if tp_size < 1 or pp_size < 1:
+        raise KVCachedConfigError(f"tp_size and pp_size must be >= 1, got {tp_size}, {pp_size}")
+    return [RankId(rank, pp_rank) for pp_rank in range(pp_size) for rank in range(tp_size)]
+
+
+@dataclass(frozen=True)
+class WorkerAddress(RankId):
+    """The socket of one rank of one pipeline stage."""
+
+    path: Path
+
+    @property
+    def route(self) -> str:
+        return f"the socket {self.path}"
 
 
 def default_socket_root(ipc_name: str, base: str | os.PathLike[str] | None = None) -> Path:
@@ -67,11 +93,7 @@ def job_addresses(
     root: str | os.PathLike[str], tp_size: int, pp_size: int = 1
 ) -> list[WorkerAddress]:
     """Every (stage, rank) socket of a job, stage-major."""
-    if tp_size < 1 or pp_size < 1:
-        raise KVCachedConfigError(f"tp_size and pp_size must be >= 1, got {tp_size}, {pp_size}")
-    return [
-        worker_address(root, rank, pp_rank) for pp_rank in range(pp_size) for rank in range(tp_size)
-    ]
+    return [worker_address(root, r.rank, r.pp_rank) for r in job_ranks(tp_size, pp_size)]
 
 
 def check_private_dir(path: Path) -> None:

@@ -235,6 +235,19 @@ class FrameReader:
         return payloads
 
 
+def whole_frame_payload(frame: bytes) -> bytes:
+    """The payload of exactly one frame handed over in one piece (the engine's RPC carries
+    whole frames, not a stream)."""
+    if len(frame) < _HEADER.size:
+        raise ProtocolError(f"a frame of {len(frame)} bytes has no length header")
+    (length,) = _HEADER.unpack_from(frame)
+    if length > MAX_FRAME_BYTES or len(frame) != _HEADER.size + length:
+        raise ProtocolError(
+            f"a frame announcing {length} bytes carries {len(frame) - _HEADER.size}"
+        )
+    return frame[_HEADER.size :]
+
+
 def _remaining(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:

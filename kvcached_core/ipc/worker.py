@@ -1,9 +1,14 @@
-"""The worker side: a listener that maps and unmaps this rank's KV tensors on request.
+"""The worker side: a rank that maps and unmaps its KV tensors on the coordinator's request.
 
-Each worker process owns an FTensorAllocator (its tensors) and runs one `WorkerListener` on its
-rank's socket. One thread serves every connection, one request at a time, so the allocator sees
-the coordinator's calls in order. A request that cannot be parsed, names an unknown command or
-carries bad arguments gets an error reply; nothing a peer sends stops the listener.
+Each worker process owns an FTensorAllocator (its tensors) and answers the coordinator through
+a `RankServer`, one request at a time, so the allocator sees the coordinator's calls in order.
+A request that cannot be parsed, names an unknown command or carries bad arguments gets an
+error reply; nothing a peer sends stops the server. Requests reach it one of two ways:
+
+- `WorkerListener`: the rank's private Unix socket (workers on the scheduler's host);
+- `answer_broadcast`: called in the worker's process by the engine's own worker RPC (vLLM's
+  `collective_rpc` on Ray actors), for ranks the coordinator's host cannot reach by socket.
+  Such a rank is registered here under its job's name (`serve_in_process`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kvcached_core.errors import (
     PoolExhausted,
     StateConsistencyError,
 )
-from kvcached_core.ipc.paths import WorkerAddress, ensure_private_dir
+from kvcached_core.ipc.paths import RankId, WorkerAddress, ensure_private_dir
 from kvcached_core.ipc.protocol import (
     PROTOCOL_VERSION,
     Command,
@@ -39,6 +44,7 @@ from kvcached_core.ipc.protocol import (
     error_reply,
     int_arg,
     page_ids_arg,
+    whole_frame_payload,
 )
 
 # Outcomes the listener remembers, as many as the native transaction history keeps.
@@ -97,6 +103,126 @@ class _Connection:
         self.reader = FrameReader()
 
 
+class RankServer:
+    """Answers the coordinator's requests for one rank's allocator, whatever carries them.
+
+    Calls are serialised by a lock: a socket listener has one thread, but an engine's RPC may
+    run calls on a pool of threads.
+    """
+
+    def __init__(
+        self,
+        allocator: LocalAllocator,
+        rank: int,
+        pp_rank: int,
+        *,
+        resident_bytes: Callable[[], int] | None = None,
+    ) -> None:
+        self._allocator = allocator
+        self.rank = rank
+        self.pp_rank = pp_rank
+        self._resident_bytes = resident_bytes
+        self._history: OrderedDict[int, str] = OrderedDict()
+        self._highest_txn = 0
+        self._lock = threading.Lock()
+
+    def answer(self, payload: bytes) -> Reply:
+        with self._lock:
+            return self._answer(payload)
+
+    def answer_addressed(self, frames: dict[str, bytes]) -> dict[str, Any] | None:
+        """The reply to the frame addressed to this rank (by `RankId.key`) in one broadcast,
+        with the rank that answers; None when the broadcast addressed no frame to it."""
+        frame = frames.get(RankId(self.rank, self.pp_rank).key)
+        if frame is None:
+            return None
+        try:
+            reply = self.answer(whole_frame_payload(frame))
+        except ProtocolError as exc:
+            reply = error_reply(exc.request_id, ErrorKind.PROTOCOL, str(exc))
+        return {"rank": self.rank, "pp_rank": self.pp_rank, "reply": encode_reply(reply)}
+
+    def _answer(self, payload: bytes) -> Reply:
+        try:
+            request = decode_request(payload)
+        except ProtocolError as exc:
+            return error_reply(exc.request_id, ErrorKind.PROTOCOL, str(exc))
+        try:
+            return Reply(request.request_id, True, self._dispatch(request))
+        except Exception as exc:  # every failure becomes a reply: the listener keeps serving
+            return error_reply(request.request_id, error_kind_of(exc), f"{exc}")
+
+    def _dispatch(self, request: Request) -> dict[str, Any]:
+        args = request.args
+        allocator = self._allocator
+        command = request.command
+        if command == Command.HELLO:
+            return {
+                "protocol": PROTOCOL_VERSION,
+                "rank": self.rank,
+                "pp_rank": self.pp_rank,
+                "pid": os.getpid(),
+                "num_logical_pages": int(allocator.num_logical_pages),
+                "logical_page_bytes": int(allocator.logical_page_bytes),
+                "tensors_created": bool(allocator.tensors_created),
+                "highest_txn": self._highest_txn,
+            }
+        if command == Command.STATE:
+            return self._state()
+        if command == Command.MAP:
+            return {"newly_mapped": [int(i) for i in allocator.map_pages(page_ids_arg(args))]}
+        if command == Command.UNMAP:
+            allocator.unmap_pages(page_ids_arg(args))
+            return {}
+        if command == Command.PREPARE_UNMAP:
+            txn = self._txn_arg(args)
+            allocator.prepare_unmap(txn, page_ids_arg(args))
+            return {}
+        if command == Command.COMMIT_UNMAP:
+            self._finish(self._txn_arg(args), allocator.commit_unmap, COMMITTED)
+            return {}
+        if command == Command.ABORT_UNMAP:
+            self._finish(self._txn_arg(args), allocator.abort_unmap, ABORTED)
+            return {}
+        raise _UnknownCommand(command)
+
+    def _txn_arg(self, args: dict[str, Any]) -> int:
+        txn = int_arg(args, "txn")
+        self._highest_txn = max(self._highest_txn, txn)
+        return txn
+
+    def _finish(self, txn: int, operation: Callable[[int], None], outcome: str) -> None:
+        # The native allocator keeps the authoritative history; this copy lets a restarted
+        # coordinator learn how an in-doubt transaction ended on each rank.
+        was_pending = self._allocator.pending_txn == txn
+        try:
+            operation(txn)
+        except Exception:
+            # A commit whose release failed, or an abort that quarantined pages, still ended
+            # the transaction natively.
+            if was_pending and self._allocator.pending_txn != txn:
+                self._remember(txn, outcome)
+            raise
+        self._remember(txn, outcome)
+
+    def _remember(self, txn: int, outcome: str) -> None:
+        self._history[txn] = outcome
+        while len(self._history) > TXN_HISTORY:
+            self._history.popitem(last=False)
+
+    def _state(self) -> dict[str, Any]:
+        allocator = self._allocator
+        return {
+            "mapped": [int(i) for i in allocator.mapped_page_ids()],
+            "quarantined": [int(i) for i in allocator.quarantined_page_ids()],
+            "pending_txn": allocator.pending_txn,
+            "physical_free_pages": int(allocator.physical_free_pages()),
+            "resident_bytes": None if self._resident_bytes is None else self._resident_bytes(),
+            "highest_txn": self._highest_txn,
+            "txn_history": [[txn, outcome] for txn, outcome in self._history.items()],
+        }
+
+
 class WorkerListener:
     """Serves one rank's allocator on `address` until `stop`."""
 
@@ -107,11 +233,10 @@ class WorkerListener:
         *,
         resident_bytes: Callable[[], int] | None = None,
     ) -> None:
-        self._allocator = allocator
         self.address = address
-        self._resident_bytes = resident_bytes
-        self._history: OrderedDict[int, str] = OrderedDict()
-        self._highest_txn = 0
+        self._server = RankServer(
+            allocator, address.rank, address.pp_rank, resident_bytes=resident_bytes
+        )
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._listen_sock: socket.socket | None = None
@@ -295,7 +420,7 @@ class WorkerListener:
             if self._stopping.is_set():
                 reply = error_reply(None, ErrorKind.STOPPING, "the listener is stopping")
             else:
-                reply = self._answer(payload)
+                reply = self._server.answer(payload)
             if not self._send(connection, reply):
                 self._drop(connection, selector, connections)
                 return
@@ -307,82 +432,30 @@ class WorkerListener:
             return False  # the coordinator went away; the call itself stands
         return True
 
-    def _answer(self, payload: bytes) -> Reply:
-        try:
-            request = decode_request(payload)
-        except ProtocolError as exc:
-            return error_reply(exc.request_id, ErrorKind.PROTOCOL, str(exc))
-        try:
-            return Reply(request.request_id, True, self._dispatch(request))
-        except Exception as exc:  # every failure becomes a reply: the listener keeps serving
-            return error_reply(request.request_id, error_kind_of(exc), f"{exc}")
 
-    def _dispatch(self, request: Request) -> dict[str, Any]:
-        args = request.args
-        allocator = self._allocator
-        command = request.command
-        if command == Command.HELLO:
-            return {
-                "protocol": PROTOCOL_VERSION,
-                "rank": self.address.rank,
-                "pp_rank": self.address.pp_rank,
-                "pid": os.getpid(),
-                "num_logical_pages": int(allocator.num_logical_pages),
-                "logical_page_bytes": int(allocator.logical_page_bytes),
-                "tensors_created": bool(allocator.tensors_created),
-                "highest_txn": self._highest_txn,
-            }
-        if command == Command.STATE:
-            return self._state()
-        if command == Command.MAP:
-            return {"newly_mapped": [int(i) for i in allocator.map_pages(page_ids_arg(args))]}
-        if command == Command.UNMAP:
-            allocator.unmap_pages(page_ids_arg(args))
-            return {}
-        if command == Command.PREPARE_UNMAP:
-            txn = self._txn_arg(args)
-            allocator.prepare_unmap(txn, page_ids_arg(args))
-            return {}
-        if command == Command.COMMIT_UNMAP:
-            self._finish(self._txn_arg(args), allocator.commit_unmap, COMMITTED)
-            return {}
-        if command == Command.ABORT_UNMAP:
-            self._finish(self._txn_arg(args), allocator.abort_unmap, ABORTED)
-            return {}
-        raise _UnknownCommand(command)
+# ---------------------------------------------------------------------------- over the engine's RPC
 
-    def _txn_arg(self, args: dict[str, Any]) -> int:
-        txn = int_arg(args, "txn")
-        self._highest_txn = max(self._highest_txn, txn)
-        return txn
+#: Ranks of this process served over the engine's RPC, by job name (normally one).
+_in_process: dict[str, RankServer] = {}
+_in_process_lock = threading.Lock()
 
-    def _finish(self, txn: int, operation: Callable[[int], None], outcome: str) -> None:
-        # The native allocator keeps the authoritative history; this copy lets a restarted
-        # coordinator learn how an in-doubt transaction ended on each rank.
-        was_pending = self._allocator.pending_txn == txn
-        try:
-            operation(txn)
-        except Exception:
-            # A commit whose release failed, or an abort that quarantined pages, still ended
-            # the transaction natively.
-            if was_pending and self._allocator.pending_txn != txn:
-                self._remember(txn, outcome)
-            raise
-        self._remember(txn, outcome)
 
-    def _remember(self, txn: int, outcome: str) -> None:
-        self._history[txn] = outcome
-        while len(self._history) > TXN_HISTORY:
-            self._history.popitem(last=False)
+def serve_in_process(job: str, server: RankServer) -> None:
+    """Answer `job`'s broadcasts in this process with `server` (one rank per job and process)."""
+    with _in_process_lock:
+        if job in _in_process:
+            raise KVCachedConfigError(f"this process already serves a rank of job {job!r}")
+        _in_process[job] = server
 
-    def _state(self) -> dict[str, Any]:
-        allocator = self._allocator
-        return {
-            "mapped": [int(i) for i in allocator.mapped_page_ids()],
-            "quarantined": [int(i) for i in allocator.quarantined_page_ids()],
-            "pending_txn": allocator.pending_txn,
-            "physical_free_pages": int(allocator.physical_free_pages()),
-            "resident_bytes": None if self._resident_bytes is None else self._resident_bytes(),
-            "highest_txn": self._highest_txn,
-            "txn_history": [[txn, outcome] for txn, outcome in self._history.items()],
-        }
+
+def withdraw_in_process(job: str) -> None:
+    with _in_process_lock:
+        _in_process.pop(job, None)
+
+
+def answer_broadcast(job: str, frames: dict[str, bytes]) -> dict[str, Any] | None:
+    """This process's answer to one broadcast of `job` (see `RankServer.answer_addressed`);
+    None when it serves no rank of `job`."""
+    with _in_process_lock:
+        server = _in_process.get(job)
+    return None if server is None else server.answer_addressed(frames)

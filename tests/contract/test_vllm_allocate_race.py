@@ -8,14 +8,17 @@ the same request can be scheduled again once memory is back.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from forge.matrix import Cell
-from tests.contract.vllm_contract import ROOT, contract_venv, tree_workspace, unpacked_sdist
+from tests.contract.vllm_contract import (
+    contract_venv,
+    run_on_patched_tree,
+    tree_workspace,
+    unpacked_sdist,
+)
 from tests.proof_cells import proof_of
 
 pytestmark = pytest.mark.slow
@@ -167,12 +170,5 @@ def test_lost_page_race_leaves_the_request_as_before(cell: Cell, tmp_path: Path)
         encoding="utf-8")
     assert "_kvcached_vllm.none_on_pool_exhausted" in manager_source
 
-    imports = tmp_path / "imports"
-    imports.mkdir()
-    (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
-    env.update({"PYTHONPATH": f"{tree}{os.pathsep}{imports}", "KVCACHED_ENABLE": "1",
-                "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
-    done = subprocess.run([str(python), "-c", script], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=tree)
+    done = run_on_patched_tree(python, tree, script, tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -129,6 +130,20 @@ def tree_workspace(tree: Path, *, patched: bool, cell: Cell) -> None:
         toolkit_version=TOOLKIT_VERSION,
     )
     run_transforms(workspace, transforms, build, flavour="sdist")
+
+
+def run_on_patched_tree(python: Path, tree: Path, script: str, where: Path
+                        ) -> subprocess.CompletedProcess[str]:
+    """`python -c script` in `tree` (patched) with this checkout's kvcached_core, elastic on,
+    as a CPU process with no other `KVCACHED_*` / `VLLM_*` setting of the caller's."""
+    imports = where / "imports"
+    imports.mkdir()
+    (imports / "kvcached_core").symlink_to(ROOT / "kvcached_core")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
+    env.update({"PYTHONPATH": f"{tree}{os.pathsep}{imports}", "KVCACHED_ENABLE": "1",
+                "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    return subprocess.run([str(python), "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tree)
 
 
 def torch_requirement(cell: Cell) -> str:

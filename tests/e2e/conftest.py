@@ -49,17 +49,29 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "l2_cell" not in metafunc.fixturenames:
         return
     config = metafunc.config
-    selected = selected_cells(config, "vllm")
+    # A module that proves a seam only some cells have names its transforms, as tests/contract
+    # modules do.
+    needs = tuple(getattr(metafunc.module, "CELL_NEEDS_TRANSFORMS", ()))
+    selected = selected_cells(config, "vllm", needs)
     cells = [cell.name for cell in heavy_cells(config, cpu_engine_cells(selected),
                                                 per_variant=True)]
     readme_only = metafunc.definition.path.name in README_MODULES
     if readme_only:
         cells = [name for name in cells if name == README_CELL]
+    # A module too slow for every CI run proves its cells in their verify-<cell> record only.
+    verify_only = bool(getattr(metafunc.module, "VERIFY_ONLY", False))
+    if verify_only and config.getoption("--heavy") != "all":
+        cells = []
     if cells:
         metafunc.parametrize("l2_cell", cells, scope="session")
         return
     missing = [why for why in map(cpu_engine_missing, selected) if why is not None]
-    if len(selected) == 1 and missing:
+    if needs and not selected:
+        reason = f"no selected cell has {', '.join(needs)}"
+    elif verify_only:
+        reason = ("proven in each cell's verify-<cell> record (--heavy=all), not on every CI "
+                  "run: docs/testing.md")
+    elif len(selected) == 1 and missing:
         reason = missing[0]
     elif readme_only and len(selected) == 1:
         reason = f"the README's publish and install lines name {README_CELL}"

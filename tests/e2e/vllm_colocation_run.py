@@ -51,12 +51,14 @@ from typing import IO, Any
 
 if __package__:  # imported on the host, as part of the test package
     from .vllm_cpu_run import (
+        Executor,
         engine_kwargs,
         metric_totals,
         worker_pids,
     )
 else:  # run as a script inside the engine venv
     from vllm_cpu_run import (
+        Executor,
         engine_kwargs,
         metric_totals,
         worker_pids,
@@ -126,7 +128,7 @@ def state(engine: Any, workers: list[int]) -> dict[str, Any]:
 def serve(model: Path, tp: int) -> None:
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(model, tp))
+    llm = LLM(**engine_kwargs(model, Executor("mp", tp) if tp > 1 else Executor()))
     engine = engine_pool()
     pool = engine.pool
     workers = worker_pids() if tp > 1 else []

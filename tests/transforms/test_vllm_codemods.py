@@ -21,6 +21,7 @@ from codemods.vllm.engine_core import (
     KVCacheBudgetWithUserBytes,
     ReleasePagesAfterStep,
 )
+from codemods.vllm.engine_executor import KVSizedWithExecutor
 from codemods.vllm.kv_buffers import (
     ModelRunnerV2KVBuffers,
     PerLayerKVBuffers,
@@ -109,6 +110,12 @@ def test_shutdown_closes_the_pool() -> None:
     hits, code = assert_rewrites_fixture(ClosePoolOnShutdown, "vllm-engine-shutdown")
     assert hits == 1  # EngineCoreProc.shutdown is not EngineCore's
     assert_idempotent(ClosePoolOnShutdown, code)
+
+
+def test_kv_caches_are_sized_with_the_executor_in_reach() -> None:
+    hits, code = assert_rewrites_fixture(KVSizedWithExecutor, "vllm-engine-executor")
+    assert hits == 1
+    assert_idempotent(KVSizedWithExecutor, code)
 
 
 def test_engine_core_codemods_in_sequence_share_one_import() -> None:

@@ -192,7 +192,7 @@ def test_listener_and_coordinator_refuse_a_directory_others_can_open() -> None:
             listener.start()
         assert not listener.path.exists()
         with pytest.raises(KVCachedConfigError, match="must be 0700"):
-            BroadcastMapper(job_addresses(root, 1))
+            BroadcastMapper.for_job(root, 1)
 
 
 def test_socket_paths_follow_the_stage_layout_and_their_length_is_checked() -> None:

@@ -12,29 +12,74 @@ import math
 import queue
 import weakref
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
+from enum import StrEnum
 from typing import Any, TypeVar
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.integration.vllm import pools, workers
 from kvcached_core.integration.vllm.block_pool import ElasticBlockPoolMixin
 from kvcached_core.integration.vllm.config import engine_settings, pool_name, virtual_kv_bytes
+from kvcached_core.integration.vllm.families import build_cell
 from kvcached_core.layout import choose_block_tiling
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger(__name__)
 
 
-def workers_in_other_processes(executor_backend: object, world_size: int) -> bool:
-    """False for the uni executor (scheduler and worker in one process), True for the mp
-    executor (any world size); every other executor is refused, naming what is supported."""
+class WorkerRoute(StrEnum):
+    """Where the KV tensors live relative to the scheduler, and how it maps their pages."""
+
+    IN_PROCESS = "in-process"  # the uni executor: one process
+    SOCKETS = "sockets"  # the mp executor: worker processes on this host
+    ENGINE_RPC = "engine-rpc"  # the Ray executor: workers on any node, through its own RPC
+
+
+#: The executor of the engine whose `_initialize_kv_caches` is running in this context (set
+#: by `kv_caches_sized_with_executor`; builds without that seam leave it unset).
+_sizing_executor: ContextVar[Any] = ContextVar("kvcached_sizing_executor", default=None)
+
+
+def kv_caches_sized_with_executor(initialize: F) -> F:
+    """Decorate EngineCore._initialize_kv_caches: while it runs, `kv_cache_budget` may reach
+    the engine's workers through the executor's own RPC (the Ray executor's workers may run
+    on other nodes, out of reach of the sockets the mp executor's workers use)."""
+
+    @functools.wraps(initialize)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _sizing_executor.set(getattr(self, "model_executor", None))
+        try:
+            return initialize(self, *args, **kwargs)
+        finally:
+            _sizing_executor.reset(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def worker_route(executor_backend: object, world_size: int, *,
+                 executor_known: bool) -> WorkerRoute:
+    """How the scheduler reaches the KV tensors under this executor; an executor it cannot
+    reach is refused with one line naming what is supported.
+
+    `executor_known`: this build hands kvcached the engine's executor (the
+    `vllm-engine-executor` seam), which the Ray executor needs.
+    """
     if executor_backend in (None, "uni") and world_size == 1:
-        return False
+        return WorkerRoute.IN_PROCESS
     if executor_backend == "mp" or (executor_backend is None and world_size > 1):
-        return True
+        return WorkerRoute.SOCKETS
+    if executor_backend == "ray" and executor_known:
+        return WorkerRoute.ENGINE_RPC
+    supported = "'uni' (one device), 'mp' (workers in their own processes on this host)"
+    if executor_backend == "ray":
+        raise KVCachedConfigError(
+            f"elastic KV cache (kvcached) does not support the 'ray' executor in {build_cell()} "
+            f"(no vllm-engine-executor seam): use {supported}, a cell with the seam "
+            "(docs/seams.md), or set KVCACHED_ENABLE=0 for the stock KV cache."
+        )
     raise KVCachedConfigError(
         f"elastic KV cache (kvcached) does not support the {executor_backend!r} executor "
-        f"(world size {world_size}): use distributed_executor_backend='uni' (one device) or "
-        "'mp' (workers in their own processes, any tensor or pipeline parallel size), or set "
+        f"(world size {world_size}): use {supported} or 'ray' (workers on any node), or set "
         "KVCACHED_ENABLE=0 for the stock KV cache."
     )
 
@@ -57,18 +102,25 @@ def kv_cache_budget(
     the patched engine starts wherever the stock one does (`whole_pages_budget`).
 
     When the executor runs the workers in other processes, the job is announced here, before
-    the workers allocate their KV buffers, so that they serve them to this scheduler.
+    the workers allocate their KV buffers, so that they serve them to this scheduler: in files
+    they find on this host (mp), or through the executor's own RPC (Ray).
     """
     settings = engine_settings()
     if not settings.enabled:
         return available
-    if workers_in_other_processes(executor_backend, world_size):
+    executor = _sizing_executor.get()
+    route = worker_route(executor_backend, world_size, executor_known=executor is not None)
+    if route is not WorkerRoute.IN_PROCESS:
         if world_size % pipeline_size:
             raise KVCachedConfigError(
                 f"world size {world_size} is not a multiple of the pipeline size {pipeline_size}"
             )
-        workers.announce_job(pool_name(), tp_size=world_size // pipeline_size,
-                             pp_size=pipeline_size)
+        tp_size = world_size // pipeline_size
+        if route is WorkerRoute.ENGINE_RPC:
+            workers.announce_rpc_job(pool_name(), tp_size=tp_size, pp_size=pipeline_size,
+                                     executor=executor)
+        else:
+            workers.announce_job(pool_name(), tp_size=tp_size, pp_size=pipeline_size)
     sizes = list(block_bytes_per_layer)
     if not sizes:
         return available
