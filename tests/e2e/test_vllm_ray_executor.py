@@ -272,6 +272,8 @@ def test_a_node_killed_in_a_burst_stops_the_engine_as_stock_and_leaves_nothing(
         assert run["error"], "the burst went on after a node died"
     # The burst fails the way it fails on the stock engine.
     assert elastic["error"].split(":")[0] == stock["error"].split(":")[0]
-    # Nothing of the pool outlives the engine: no limit record, no socket or job directory;
-    # the workers that survived went with the cluster.
+    # Nothing of the pool outlives the engine: no limit record, no socket or job directory,
+    # and the worker on the surviving node is gone with the engine's shutdown (its pages with
+    # its process), as the stock engine's is.
     assert elastic["shm_left"] == [] and not elastic["job_left"]
+    assert elastic["workers_alive_after_shutdown"] == stock["workers_alive_after_shutdown"] == []

@@ -371,6 +371,13 @@ def kill_worker(model: Path, result_path: Path, executor: Executor) -> None:
     if executor.backend == "ray":
         with contextlib.suppress(Exception):
             shut_down(llm)
+        # The workers that survived go with the engine's shutdown (their memory with them).
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}")
+                                                   for pid in workers):
+            time.sleep(0.1)
+        result["workers_alive_after_shutdown"] = [pid for pid in workers
+                                                  if os.path.exists(f"/proc/{pid}")]
     result_path.write_text(json.dumps(result))
 
 
