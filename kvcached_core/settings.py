@@ -109,7 +109,8 @@ class KVCachedSettings:
     it takes its memory snapshot anyway (`startup_memory.acquire_startup_window`).
     `scheduler_only`: `KVCACHED_SCHEDULER_ONLY=1` declares a process that runs an engine's
     scheduler with no KV buffers (planning, the engine's own scheduler tests): its block pools
-    get a host-memory ledger. Without it an elastic scheduler whose KV buffers are not
+    get a host-memory ledger each, and never attach to a pool registered in the process (KV
+    buffers a test allocates on their own). Without it an elastic scheduler whose KV buffers are not
     VMM-backed refuses to start.
     """
 

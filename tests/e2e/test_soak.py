@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests.proof_cells import ROOT
@@ -28,7 +30,17 @@ CORRUPT_EVERY_S = 40 if DURATION_S < 600 else 120
 
 def test_soak(engine_venv: Path, sglang_python: Path | None, tmp_path: Path) -> None:
     out = Path(OUT_DIR) if OUT_DIR else tmp_path / "out"
-    env = dict(os.environ, TMPDIR=str(tmp_path))
+    # The engines' own IPC sockets live under TMPDIR and a socket path holds 107 bytes: a
+    # short directory of its own, not pytest's (deep under a nox session's venv).
+    short_tmp = Path(tempfile.mkdtemp(prefix="kvsoak-", dir="/tmp"))
+    try:
+        _soak(engine_venv, sglang_python, out, dict(os.environ, TMPDIR=str(short_tmp)))
+    finally:
+        shutil.rmtree(short_tmp, ignore_errors=True)
+
+
+def _soak(engine_venv: Path, sglang_python: Path | None, out: Path,
+          env: dict[str, str]) -> None:
     with_sglang = ["--sglang-python", str(sglang_python)] if sglang_python else []
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--engine-python",
@@ -36,7 +48,10 @@ def test_soak(engine_venv: Path, sglang_python: Path | None, tmp_path: Path) -> 
          str(KILL_EVERY_S), "--corrupt-every", str(CORRUPT_EVERY_S), "--min-kills", "2",
          "--min-corruptions", "2", "--seed", "1", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=3 * DURATION_S + 900)
-    summary = json.loads((out / "soak.json").read_text())
+    report = out / "soak.json"
+    assert report.exists(), (f"soak.py wrote no report (exit {run.returncode}):\n"
+                             f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    summary = json.loads(report.read_text())
     assert run.returncode == 0 and summary["failures"] == [], (
         summary["failures"], run.stdout[-3000:], run.stderr[-3000:])
     # Every fault happened and the engines served between them.

@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,6 +129,10 @@ def ray_cluster(python: Path, env: dict[str, str], where: Path) -> Iterator[RayC
     shm_before = set(os.listdir("/dev/shm"))
     port = _free_port()
     address = f"127.0.0.1:{port}"
+    # Ray's session directory: short (its sockets live there) and outside any virtualenv,
+    # which Ray refuses (a nox session's TMPDIR is inside its venv).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="kvray-", dir="/tmp"))
+    env = {**env, "RAY_TMPDIR": str(ray_tmp)}
     ray = [str(python), "-m", "ray.scripts.scripts"]
     common = ["--num-cpus", "1", "--object-store-memory", str(80 << 20),
               "--disable-usage-stats"]
@@ -156,6 +161,7 @@ def ray_cluster(python: Path, env: dict[str, str], where: Path) -> Iterator[RayC
             if name.startswith(("psm_", "sem.")) or "cpushm" in name:
                 with contextlib.suppress(OSError):
                     os.unlink(f"/dev/shm/{name}")
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _cluster_env(hidden: Path, shm: Path, site: Path,
@@ -181,7 +187,7 @@ def _run_on_ray(python: Path, model: Path, where: Path, hidden: Path, site: Path
         started = time.monotonic()
         done = subprocess.run([str(python), str(RUNNER), command, str(model), str(result),
                                "--ray-workers", str(tp), "--pp", str(pp)],
-                              env={**env, "RAY_ADDRESS": cluster.address},
+                              env={**cluster.env, "RAY_ADDRESS": cluster.address},
                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         seconds = time.monotonic() - started
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -272,8 +278,10 @@ def test_a_node_killed_in_a_burst_stops_the_engine_as_stock_and_leaves_nothing(
         assert run["error"], "the burst went on after a node died"
     # The burst fails the way it fails on the stock engine.
     assert elastic["error"].split(":")[0] == stock["error"].split(":")[0]
-    # Nothing of the pool outlives the engine: no limit record, no socket or job directory,
-    # and the worker on the surviving node is gone with the engine's shutdown (its pages with
-    # its process), as the stock engine's is.
+    # Nothing of the pool outlives the engine: no limit record, no socket or job directory.
+    # The worker on the surviving node outlives the engine's shutdown by as much as the stock
+    # engine's does (vLLM 0.32's RayExecutorV2 leaves it to Ray: 15 s after the shutdown it
+    # still ran, stock and patched alike); its pages go with its process when Ray stops it.
     assert elastic["shm_left"] == [] and not elastic["job_left"]
-    assert elastic["workers_alive_after_shutdown"] == stock["workers_alive_after_shutdown"] == []
+    assert len(elastic["workers_alive_after_shutdown"]) == len(
+        stock["workers_alive_after_shutdown"])

@@ -113,6 +113,16 @@ def test_an_elastic_scheduler_without_vmm_backed_kv_buffers_refuses_to_start(
     block_pool: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
     assert block_pool._kv.private
     assert len(block_pool.get_new_blocks(3)) == 3
+    # KV buffers allocated on their own in such a process (vLLM's tests do) register a pool;
+    # the next schedulers still get ledgers of their own, never that pool.
+    _register_pool()
+    try:
+        for _ in range(2):
+            other: Any = make_block_pool(StandInBlockPool, NUM_BLOCKS)
+            assert other._kv.private
+        assert not pools.lookup(pool_name()).attached
+    finally:
+        pools.close(pool_name())
 
 
 # MLA-like blocks that do not tile a page: 5 KiB blocks on 12 KiB pages. Page p holds the

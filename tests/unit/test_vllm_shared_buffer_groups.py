@@ -189,3 +189,23 @@ def test_an_explicit_contiguous_layout_over_layer_regions_is_refused_in_one_line
     shared_kv_buffer(torch.zeros, NUM_BLOCKS * 2 * BLOCK, dtype=torch.int8,
                      device=torch.device("cpu"), regions=[(0, 2, BLOCK, 2 * BLOCK)])
     assert pools.lookup(elastic) is not None
+
+
+def test_a_block_count_that_is_not_whole_pages_gets_whole_pages_of_address_space(
+        elastic: str) -> None:
+    """vLLM's own tests (and a user's num_gpu_blocks_override) size the buffer from any block
+    count, as the stock engine does: 7 blocks-first blocks of 16 KiB are 3.5 pages of 32 KiB.
+    The buffer is its first bytes of 4 pages, and the page of the last blocks backs them."""
+    unit = 2 * BLOCK  # both layers of a block in one range
+    size = 7 * unit
+    raw = shared_kv_buffer(torch.zeros, size, dtype=torch.int8, device=torch.device("cpu"),
+                           regions=[(0, 2, BLOCK, unit)])
+    assert raw.numel() == size
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None
+    (ftensor,) = engine_pool.pool.tensors
+    pages = engine_pool.pool.alloc(3)  # every page but the null block's
+    assert sorted(ftensor.mapped_offsets()) == [p * PAGE for p in range(4)]
+    assert max(pages) == 3
+    raw[6 * unit:7 * unit] = 7  # the last block, in the last (half-used) page
+    assert int(raw[6 * unit:].sum()) == 7 * unit

@@ -70,7 +70,9 @@ class ElasticBlockPoolMixin:
         super().__init__(*args, **kwargs)
         settings = engine_settings()
         name = pool_name()
-        engine_pool = workers.scheduler_pool(name)
+        # A scheduler-only process has no engine KV buffers by its own declaration: a pool
+        # registered in it (a test's standalone KV allocation) is never this scheduler's.
+        engine_pool = None if settings.scheduler_only else workers.scheduler_pool(name)
         if engine_pool is None and settings.scheduler_only:
             engine_pool = pools.private_pool(self.num_gpu_blocks, settings)
         elif engine_pool is None:

@@ -409,6 +409,11 @@ def shared_kv_buffer(zeros: Zeros, size: int, *, dtype: Any, device: Any,
     # The layout is vLLM's: a blocks-first buffer (one region) maps one compound page per
     # logical page already; an explicit `contiguous` over layer regions cannot be honoured.
     choose_contiguous_layout(engine_settings().contiguous_layout, regions=count, strided_views=None)
+    if count == 1:
+        # As `_layer_buffer` with R = 1: a block count that is not whole pages (vLLM's own
+        # tests, a user's num_gpu_blocks_override) gets whole pages of address space, and
+        # the buffer is its first `size` bytes; the last page backs the last blocks.
+        region = _whole_pages(region, unit)
     engine_pool = _create_pool(device, num_tensors=1, regions=count, region_bytes=region,
                                unit_bytes=unit)
     return _flat(engine_pool.pool.tensors[0], int(size))
