@@ -37,7 +37,14 @@ import pytest
 from kvcached_core.integration.vllm.workers import job_root
 
 from .vllm_cpu_env import RUNNER, build_tiny_model, engine_env
-from .vllm_cpu_run import BLOCK_SIZE, MAX_TOKENS, NUM_PREFIXES, PER_PREFIX, RAY_NODE_LABEL
+from .vllm_cpu_run import (
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    NUM_PREFIXES,
+    PER_PREFIX,
+    RAY_NODE_LABEL,
+    processes_labelled,
+)
 
 CELL_NEEDS_TRANSFORMS = ("vllm-engine-executor",)
 # Two-node clusters and six engines take about 4 minutes: this module runs in verify-<cell>
@@ -88,17 +95,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def _labelled(label: str) -> list[int]:
-    wanted = f"{RAY_NODE_LABEL}={label}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if wanted in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-    return found
 
 
 def _shm_entries_in_use() -> set[str]:
@@ -153,7 +149,7 @@ def ray_cluster(python: Path, env: dict[str, str], where: Path) -> Iterator[RayC
             subprocess.run([*ray, "stop", "--force"], env=env, stdout=out,
                            stderr=subprocess.STDOUT, timeout=RAY_START_TIMEOUT_S, check=False)
         for label in ("a", "b"):
-            for pid in _labelled(label):
+            for pid in processes_labelled(label):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         in_use = _shm_entries_in_use()
