@@ -69,6 +69,7 @@ from codemods.vllm import engine_executor as _vllm_engine_executor
 from codemods.vllm import kv_buffers as _vllm_kv_buffers
 from codemods.vllm import kv_buffers_attn_groups as _vllm_kv_buffers_attn_groups
 from codemods.vllm import kv_buffers_shared_helper as _vllm_kv_buffers_shared_helper
+from codemods.vllm import kv_plan as _vllm_kv_plan
 from codemods.vllm import startup_memory as _vllm_startup_memory
 
 # --- the seams every build of an engine must cover -----------------------------------------
@@ -1165,7 +1166,7 @@ CODEMODS += [
         id="vllm-kv-budget-user-bytes",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.10.2,<0.35",
+        versions=">=0.10.2,<0.32",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
         targets=("{package}/v1/engine/core.py",),
@@ -1176,6 +1177,43 @@ CODEMODS += [
         codemod=_vllm_engine_core.KVCacheBudgetWithUserBytes,
         forwarded="no",
         last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-kv-budget-planned",
+        seam="kv-budget",
+        engine="vllm",
+        versions="==0.32.*",
+        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
+               "self.model_executor.determine_available_memory() and "
+               "self.model_executor.initialize_from_config(kv_cache_configs)",
+        targets=("{package}/v1/engine/core.py",),
+        expected_hits=2,
+        why="As vllm-kv-budget-user-bytes, but the scheduler keeps exactly stock vLLM's blocks "
+            "(its capacity, its refusal, its fitted max_model_len for every budget): only the "
+            "workers' KV caches are re-planned, by vLLM's own planner, to whole kvcached pages.",
+        retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
+                    "the virtual size through it).",
+        codemod=_vllm_kv_plan.KVBudgetPlannedInWholePages,
+        forwarded="no",
+        last_update="2026-12-06",
+    ),
+    CodemodDeclaration(
+        id="vllm-kv-budget-planned-builder",
+        seam="kv-budget",
+        engine="vllm",
+        versions=">=0.33,<0.35",
+        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
+               "self.model_executor.determine_available_memory() and "
+               "self.model_executor.initialize_from_config(kv_cache_configs)",
+        targets=("{package}/v1/engine/core.py",),
+        expected_hits=2,
+        why="As vllm-kv-budget-planned; these releases plan through a KV cache config builder "
+            "(vllm/v1/core/kv_cache_config_builder.py).",
+        retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
+                    "the virtual size through it).",
+        codemod=_vllm_kv_plan.KVBudgetPlannedByBuilder,
+        forwarded="no",
+        last_update="2026-12-06",
     ),
     CodemodDeclaration(
         id="vllm-kv-buffers-per-layer",

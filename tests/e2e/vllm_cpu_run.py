@@ -296,6 +296,29 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
     result_path.write_text(json.dumps(result))
 
 
+def capacity(model: Path, result_path: Path, kv_bytes: int) -> None:
+    """Start an engine with `kv_cache_memory_bytes=kv_bytes`: the blocks its scheduler got and
+    the first prompts' greedy tokens, or the error it refused to start with."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    result: dict[str, Any]
+    try:
+        llm = LLM(**{**engine_kwargs(model), "kv_cache_memory_bytes": kv_bytes})
+    except ValueError as error:  # vLLM's own "not enough KV cache memory" refusal
+        result = {"refused": str(error)}
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()[:4]]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        # The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        block_pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        result = {"num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+                  "scheduler_blocks": block_pool.num_gpu_blocks,
+                  "outputs": [list(r.outputs[0].token_ids) for r in results]}
+    result_path.write_text(json.dumps(result))
+
+
 def _driver_node() -> str:
     with contextlib.suppress(Exception):
         import ray
@@ -393,6 +416,9 @@ def main(argv: list[str]) -> int:
         generate(Path(argv[2]), Path(argv[3]), rounds,
                  sample_memory="--no-memory-sampling" not in argv,
                  executor=Executor.from_argv(argv))
+        return 0
+    if argv[1] == "capacity":
+        capacity(Path(argv[2]), Path(argv[3]), int(argv[argv.index("--kv-bytes") + 1]))
         return 0
     if argv[1] == "kill-worker":
         kill_worker(Path(argv[2]), Path(argv[3]), Executor.from_argv(argv))

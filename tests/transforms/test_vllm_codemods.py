@@ -34,6 +34,7 @@ from codemods.vllm.kv_buffers_attn_groups import (
     ModelRunnerV2GroupsKVBuffers,
 )
 from codemods.vllm.kv_buffers_shared_helper import SharedKVBufferFromCaller
+from codemods.vllm.kv_plan import KVBudgetPlannedByBuilder, KVBudgetPlannedInWholePages
 from forge.registry import default_registry
 
 BUILD = BuildContext(
@@ -350,3 +351,15 @@ def test_model_runner_v2_variant_does_not_match_a_caller_without_its_layouts(
     hits, _, code = run(codemod, fixture(other_release))
     assert hits < 3
     assert f"{codemod.GROUPS}={codemod.GROUPS}" not in code
+
+
+@pytest.mark.parametrize(("codemod", "transform_id"), [
+    (KVBudgetPlannedInWholePages, "vllm-kv-budget-planned"),
+    (KVBudgetPlannedByBuilder, "vllm-kv-budget-planned-builder"),
+])
+def test_kv_budget_is_sized_as_stock_and_the_workers_plan_is_whole_pages(
+        codemod: type[HitCountingCodemod], transform_id: str) -> None:
+    hits, code = assert_rewrites_fixture(codemod, transform_id)
+    assert hits == 2  # the budget and EngineCore's initialize_from_config, not Other's
+    compile(code, "core.py", "exec")
+    assert_idempotent(codemod, code)

@@ -14,6 +14,7 @@ from kvcached_core.integration.vllm.config import elastic_enabled, engine_settin
 from kvcached_core.integration.vllm.engine import (
     close_on_shutdown,
     kv_cache_budget,
+    kv_cache_configs_in_whole_pages,
     kv_caches_sized_with_executor,
     none_on_pool_exhausted,
     released_after_step,
@@ -41,6 +42,7 @@ __all__ = [
     "ends_startup_window",
     "engine_settings",
     "kv_cache_budget",
+    "kv_cache_configs_in_whole_pages",
     "kv_caches_sized_with_executor",
     "kv_tensor_buffer",
     "memory_profile_consistent",

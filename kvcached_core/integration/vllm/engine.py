@@ -6,6 +6,7 @@ between vLLM versions is passed in by that call site.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -43,15 +44,27 @@ _sizing_executor: ContextVar[Any] = ContextVar("kvcached_sizing_executor", defau
 def kv_caches_sized_with_executor(initialize: F) -> F:
     """Decorate EngineCore._initialize_kv_caches: while it runs, `kv_cache_budget` may reach
     the engine's workers through the executor's own RPC (the Ray executor's workers may run
-    on other nodes, out of reach of the sockets the mp executor's workers use)."""
+    on other nodes, out of reach of the sockets the mp executor's workers use).
+
+    When it returns, the engine's `cache_config.num_gpu_blocks` is the scheduler's block count
+    (the returned config's), as in stock vLLM: a worker in the engine's own process (the uni
+    executor) shares that config and sets it to its own plan's count, which
+    `kv_cache_configs_in_whole_pages` may have widened, and the engine reports the figure to
+    its front end and metrics.
+    """
 
     @functools.wraps(initialize)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = _sizing_executor.set(getattr(self, "model_executor", None))
         try:
-            return initialize(self, *args, **kwargs)
+            scheduler_config = initialize(self, *args, **kwargs)
         finally:
             _sizing_executor.reset(token)
+        vllm_config = args[0] if args else kwargs.get("vllm_config")
+        blocks = getattr(scheduler_config, "num_blocks", None)
+        if engine_settings().enabled and vllm_config is not None and blocks is not None:
+            vllm_config.cache_config.num_gpu_blocks = blocks
+        return scheduler_config
 
     return wrapper  # type: ignore[return-value]
 
@@ -93,11 +106,17 @@ def kv_cache_budget(
     executor_backend: object,
     world_size: int,
     pipeline_size: int = 1,
+    planned_in_whole_pages: bool = False,
 ) -> list[int]:
     """The KV bytes vLLM sizes its block table from: the virtual KV size.
 
     vLLM's own `kv_cache_memory_bytes` / `num_gpu_blocks_override` win when a user set them;
-    otherwise `KVCACHED_VIRTUAL_SIZE` if set, else vLLM's profiled budget. The result is whole
+    otherwise `KVCACHED_VIRTUAL_SIZE` if set, else vLLM's profiled budget.
+
+    `planned_in_whole_pages` (cells whose build also rewrites the workers' KV plan,
+    `kv_cache_configs_in_whole_pages`): the bytes are vLLM's to size from as they are, so
+    the scheduler has exactly stock vLLM's blocks, its capacity check and its fitted model
+    length; the workers' buffers are given whole pages later. Otherwise the result is whole
     kvcached pages of blocks in every layer region (what the KV buffers need), rounded so that
     the patched engine starts wherever the stock one does (`whole_pages_budget`).
 
@@ -127,9 +146,72 @@ def kv_cache_budget(
     virtual = virtual_kv_bytes()
     if virtual is not None and not user_kv_bytes and user_num_blocks is None:
         available = [virtual for _ in available]
+    if planned_in_whole_pages:
+        return available
     quantum = sum(sizes) * aligned_blocks_quantum(sizes, settings.page_size)
     user_set = bool(user_kv_bytes) and user_num_blocks is None
     return [whole_pages_budget(budget, quantum, user_set=user_set) for budget in available]
+
+
+def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
+                                    plan: Callable[[Any, int], Any]) -> list[Any]:
+    """The workers' KV cache configs, each re-planned to a block count whose KV buffers are
+    whole kvcached pages (the call vLLM's `initialize_from_config` is given).
+
+    vLLM sized `configs` from the user's bytes exactly as stock vLLM does (the scheduler's
+    copy, taken before this call, keeps that block count: the same capacity, the same
+    refusal when the model's longest sequence does not fit, the same fitted
+    `max_model_len`). A layer-outermost buffer puts layer `l` at `l * num_blocks * block`
+    bytes, so unless `num_blocks` is a multiple of the blocks of a page the layers do not
+    start on pages, and one pool cannot back them page by page. Each worker's config is
+    therefore planned again, by vLLM's own planner (`plan(groups, num_blocks)`, the call
+    vLLM makes itself to re-plan ranks to one block count), for the next multiple: the
+    extra blocks are address space the scheduler never hands out, mapped never.
+    `num_gpu_blocks_override` is the scheduler's figure, so it is set aside while planning.
+    """
+    if not engine_settings().enabled:
+        return configs
+    planned = []
+    for config in configs:
+        quantum = _whole_page_blocks(config.kv_cache_tensors, engine_settings().page_size)
+        blocks = int(config.num_blocks)
+        wanted = -(-blocks // quantum) * quantum
+        if wanted == blocks:
+            planned.append(config)
+            continue
+        cache_config = vllm_config.cache_config
+        override = cache_config.num_gpu_blocks_override
+        cache_config.num_gpu_blocks_override = None
+        try:
+            widened = plan(config.kv_cache_groups, wanted)
+        finally:
+            cache_config.num_gpu_blocks_override = override
+        if int(widened.num_blocks) != wanted:
+            raise KVCachedConfigError(
+                f"vLLM planned {widened.num_blocks} KV blocks for a worker where kvcached asked "
+                f"for {wanted} (whole pages of its {blocks}); set KVCACHED_ENABLE=0")
+        for field in dataclasses.fields(config):
+            if field.name not in ("num_blocks", "kv_cache_tensors"):
+                setattr(widened, field.name, getattr(config, field.name))
+        logger.info("kvcached: the scheduler keeps vLLM's %d KV blocks; the workers' buffers "
+                    "are planned for %d (whole %d-byte pages)", blocks, wanted,
+                    engine_settings().page_size)
+        planned.append(widened)
+    return planned
+
+
+def _whole_page_blocks(tensors: Iterable[Any], page_size: int) -> int:
+    """The fewest blocks that make every layer-outermost region of `tensors` whole pages.
+
+    A KVCacheTensor whose layer stride exceeds its block stride gives each layer its own
+    region of `num_blocks * block_stride` bytes (`kv_buffers.shared_geometry`); a
+    block-outermost one is one region, which `shared_kv_buffer` pads to whole pages itself.
+    """
+    quanta = [choose_block_tiling(int(t.block_stride), page_size).quantum_blocks
+              for t in tensors
+              if int(t.layer_stride) > int(t.block_stride) and not getattr(t, "host_resident",
+                                                                               False)]
+    return math.lcm(*quanta) if quanta else 1
 
 
 def aligned_blocks_quantum(block_bytes_per_layer: Iterable[int], page_size: int) -> int:

@@ -1,0 +1,194 @@
+"""vLLM 0.32+: the scheduler keeps stock vLLM's blocks, the workers' KV plan is whole pages.
+
+`kv_cache_budget(..., planned_in_whole_pages=True)` leaves vLLM's bytes alone, so a small
+`kv_cache_memory_bytes` gives the scheduler exactly the blocks stock vLLM gives it (the same
+capacity, the same refusal). `kv_cache_configs_in_whole_pages` then re-plans each worker's
+config for the next block count whose layer regions are whole kvcached pages, through the
+planner the call site passes. Here the planner is a stand-in that lays layers out as vLLM's
+layer-outermost plan does; tests/contract/test_vllm_kv_plan.py runs the release's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.integration.vllm import engine, pools, shared_kv_buffer
+from tests.unit.vllm_kv_stand_ins import set_elastic_env
+
+MIB = 1 << 20
+PAGE = 2 * MIB
+LAYERS = 16
+BLOCK = 2 * 16 * 2 * 32 * 2  # K and V of 16 tokens, 2 KV heads of 32, bf16: 4 KiB a layer
+USER_BUDGET = 2 * MIB
+STOCK_BLOCKS = USER_BUDGET // (BLOCK * LAYERS)  # 32: what stock vLLM plans for 2 MiB
+PAGE_BLOCKS = PAGE // BLOCK  # 512 blocks make a layer's region whole pages
+
+
+@dataclass
+class PlannedTensor:
+    size: int
+    layers: list[str]
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+
+
+@dataclass
+class PlannedConfig:
+    num_blocks: int
+    kv_cache_tensors: list[PlannedTensor]
+    kv_cache_groups: list[str]
+    kv_cache_layout: str | None = None
+    hash_block_size: int | None = None
+    kv_tp_replicas: int = 1
+
+
+@dataclass
+class CacheConfig:
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass
+class VllmConfig:
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+
+
+def layer_outermost(groups: list[str], num_blocks: int) -> PlannedConfig:
+    """As vLLM's planner lays out a one-group model layer-outermost: layer `l` at
+    `l * num_blocks * block`."""
+    size = LAYERS * num_blocks * BLOCK
+    return PlannedConfig(num_blocks, [PlannedTensor(size, groups, num_blocks * BLOCK, BLOCK)],
+                         groups)
+
+
+def block_outermost(groups: list[str], num_blocks: int) -> PlannedConfig:
+    size = LAYERS * num_blocks * BLOCK
+    return PlannedConfig(num_blocks, [PlannedTensor(size, groups, BLOCK, LAYERS * BLOCK)],
+                         groups)
+
+
+@pytest.fixture
+def elastic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    name = f"kv-plan-{os.getpid()}"
+    set_elastic_env(monkeypatch, tmp_path, name, PAGE)
+    yield name
+    pools.close(name)
+
+
+def regions(config: PlannedConfig) -> list[tuple[int, int, int, int]]:
+    return [(t.offset, len(t.layers), t.layer_stride, t.block_stride)
+            for t in config.kv_cache_tensors]
+
+
+def test_the_budget_is_left_to_vllm_when_the_workers_plan_is_whole_pages(elastic: str) -> None:
+    [kept] = engine.kv_cache_budget([USER_BUDGET], block_bytes_per_layer=[BLOCK] * LAYERS,
+                                    user_kv_bytes=USER_BUDGET, user_num_blocks=None,
+                                    executor_backend="uni", world_size=1,
+                                    planned_in_whole_pages=True)
+    assert kept == USER_BUDGET
+    [rounded] = engine.kv_cache_budget([USER_BUDGET], block_bytes_per_layer=[BLOCK] * LAYERS,
+                                       user_kv_bytes=USER_BUDGET, user_num_blocks=None,
+                                       executor_backend="uni", world_size=1)
+    # Cells without the plan: whole pages of K and V half-blocks, 1,024 blocks.
+    assert rounded == engine.aligned_blocks_quantum([BLOCK] * LAYERS, PAGE) * BLOCK * LAYERS
+    assert rounded // (BLOCK * LAYERS) == 2 * PAGE_BLOCKS
+
+
+def test_a_worker_plan_of_stock_blocks_is_widened_to_whole_pages(elastic: str) -> None:
+    stock = layer_outermost(["layers"], STOCK_BLOCKS)
+    stock.kv_cache_layout, stock.hash_block_size, stock.kv_tp_replicas = "LBHNC", 16, 2
+    vllm_config = VllmConfig(CacheConfig(num_gpu_blocks_override=STOCK_BLOCKS))
+    seen_override: list[int | None] = []
+
+    def plan(groups: Any, num_blocks: int) -> PlannedConfig:
+        seen_override.append(vllm_config.cache_config.num_gpu_blocks_override)
+        return layer_outermost(groups, num_blocks)
+
+    [widened] = engine.kv_cache_configs_in_whole_pages([stock], vllm_config=vllm_config,
+                                                       plan=plan)
+    assert widened.num_blocks == PAGE_BLOCKS
+    assert stock.num_blocks == STOCK_BLOCKS  # the scheduler's copy is vLLM's, untouched
+    assert (widened.kv_cache_layout, widened.hash_block_size, widened.kv_tp_replicas) == (
+        "LBHNC", 16, 2)
+    # The user's override is the scheduler's figure: set aside while planning, then back.
+    assert seen_override == [None]
+    assert vllm_config.cache_config.num_gpu_blocks_override == STOCK_BLOCKS
+    # The stock plan's layers start inside pages: one pool cannot back them...
+    with pytest.raises(KVCachedConfigError, match="multiple of"):
+        shared_kv_buffer(torch.zeros, stock.kv_cache_tensors[0].size, dtype=torch.int8,
+                         device=torch.device("cpu"), regions=regions(stock))
+    # ...the widened plan's can, and every block the scheduler hands out has its bytes.
+    size = widened.kv_cache_tensors[0].size
+    raw = shared_kv_buffer(torch.zeros, size, dtype=torch.int8, device=torch.device("cpu"),
+                           regions=regions(widened))
+    engine_pool = pools.lookup(elastic)
+    assert engine_pool is not None and engine_pool.num_blocks == PAGE_BLOCKS
+    # The pool backs the null block's page, which holds all the scheduler's blocks, at once.
+    layers = raw.view(LAYERS, PAGE_BLOCKS, BLOCK)
+    layers[:, :STOCK_BLOCKS].fill_(7)
+    assert int(layers[:, :STOCK_BLOCKS].sum()) == 7 * LAYERS * STOCK_BLOCKS * BLOCK
+
+
+def test_a_plan_already_in_whole_pages_or_blocks_first_is_handed_on_as_it_is(
+        elastic: str) -> None:
+    def plan(groups: Any, num_blocks: int) -> PlannedConfig:
+        raise AssertionError("planned again")
+
+    whole = layer_outermost(["layers"], 2 * PAGE_BLOCKS)
+    blocks_first = block_outermost(["layers"], STOCK_BLOCKS)  # one region: padded by the pool
+    planned = engine.kv_cache_configs_in_whole_pages([whole, blocks_first],
+                                                     vllm_config=VllmConfig(), plan=plan)
+    assert planned[0] is whole and planned[1] is blocks_first
+
+
+def test_a_planner_that_does_not_honour_the_block_count_is_refused(elastic: str) -> None:
+    with pytest.raises(KVCachedConfigError, match=f"asked for {PAGE_BLOCKS}"):
+        engine.kv_cache_configs_in_whole_pages(
+            [layer_outermost(["layers"], STOCK_BLOCKS)], vllm_config=VllmConfig(),
+            plan=lambda groups, num_blocks: layer_outermost(groups, num_blocks - 1))
+
+
+def test_switched_off_the_plan_is_stock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    stock = layer_outermost(["layers"], STOCK_BLOCKS)
+    assert engine.kv_cache_configs_in_whole_pages(
+        [stock], vllm_config=VllmConfig(), plan=layer_outermost) == [stock]
+
+
+@dataclass
+class ReportedCacheConfig:
+    num_gpu_blocks: int | None = None
+
+
+@dataclass
+class ReportedVllmConfig:
+    cache_config: ReportedCacheConfig = field(default_factory=ReportedCacheConfig)
+
+
+class InProcessCore:
+    """EngineCore with a worker in its own process: the worker shares the engine's config."""
+
+    model_executor = None
+
+    @engine.kv_caches_sized_with_executor
+    def initialize(self, vllm_config: ReportedVllmConfig) -> PlannedConfig:
+        scheduler = layer_outermost(["layers"], STOCK_BLOCKS)
+        vllm_config.cache_config.num_gpu_blocks = scheduler.num_blocks
+        [worker] = engine.kv_cache_configs_in_whole_pages(
+            [scheduler], vllm_config=VllmConfig(), plan=layer_outermost)
+        vllm_config.cache_config.num_gpu_blocks = worker.num_blocks  # the worker's own count
+        return scheduler
+
+
+def test_the_engine_reports_the_scheduler_blocks_not_its_workers_plan(elastic: str) -> None:
+    vllm_config = ReportedVllmConfig()
+    assert InProcessCore().initialize(vllm_config).num_blocks == STOCK_BLOCKS
+    assert vllm_config.cache_config.num_gpu_blocks == STOCK_BLOCKS
