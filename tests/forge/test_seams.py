@@ -273,7 +273,7 @@ def test_transforms_lists_each_seam_of_a_real_cell(capsys: pytest.CaptureFixture
         ("allocate-slots-race", "vllm-allocate-slots-race"),
         ("step-end-release", "vllm-engine-step-release"), ("shutdown", "vllm-engine-shutdown"),
         ("engine-executor", "vllm-engine-executor"),
-        ("kv-budget", "vllm-kv-budget-user-bytes"),
+        ("kv-budget", "vllm-kv-budget-planned"),
         ("kv-buffers-v1-runner + kv-buffers-v2-runner", "vllm-kv-buffers-shared"),
         ("startup-free-memory", "vllm-startup-free-memory"),
         ("memory-profile-check", "vllm-memory-profile-check"),

@@ -51,7 +51,7 @@ def fake_vllm_sources(*, without_allocate_slots: bool = False) -> dict[str, str]
         "vllm/__init__.py": '__version__ = "fake"\n',
         "vllm/v1/core/kv_cache_coordinator.py": before("vllm-block-pool"),
         "vllm/v1/core/kv_cache_manager.py": manager,
-        "vllm/v1/engine/core.py": before("vllm-engine-shutdown"),
+        "vllm/v1/engine/core.py": before("vllm-kv-budget-planned"),
         "vllm/v1/worker/utils.py": REQUEST_MEMORY + "\n\n" + before("vllm-kv-buffers-shared"),
         # The worker as 0.32 has it: the snapshot (startup window) and the profile assertion.
         "vllm/v1/worker/gpu_worker.py": before("vllm-startup-window"),
@@ -229,7 +229,7 @@ def test_every_seam_finds_the_cells_change_and_a_cell_is_proposed(
     assert [row["seam"] for row in report["seams"]] == required
     chosen = {row["seam"]: (row["chosen"], row["result"]) for row in report["seams"]}
     assert chosen["block-pool"] == ("vllm-block-pool", "same change")
-    assert chosen["kv-budget"] == ("vllm-kv-budget-user-bytes", "same change")
+    assert chosen["kv-budget"] == ("vllm-kv-budget-planned", "same change")
     assert chosen["kv-buffers-v2-runner"] == ("vllm-kv-buffers-shared", "same change")
     assert chosen["provenance"] == ("provenance", "applied")
     variants = {v["id"]: v for v in report["variants"]}

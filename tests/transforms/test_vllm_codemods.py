@@ -363,3 +363,16 @@ def test_kv_budget_is_sized_as_stock_and_the_workers_plan_is_whole_pages(
     assert hits == 2  # the budget and EngineCore's initialize_from_config, not Other's
     compile(code, "core.py", "exec")
     assert_idempotent(codemod, code)
+
+
+@pytest.mark.parametrize(("codemod", "other_release"), [
+    (KVBudgetPlannedInWholePages, "vllm-kv-budget-planned-builder"),
+    (KVBudgetPlannedByBuilder, "vllm-kv-budget-planned"),
+])
+def test_kv_budget_plan_variant_leaves_a_release_planning_elsewhere(
+        codemod: type[HitCountingCodemod], other_release: str) -> None:
+    # The workers' plan is rewritten only where EngineCore imports get_kv_cache_configs from
+    # the variant's planner module: one hit instead of two, which the build refuses.
+    hits, _, code = run(codemod, fixture(other_release))
+    assert hits == 1
+    assert "kv_cache_configs_in_whole_pages" not in code
