@@ -169,11 +169,12 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
     extra blocks are address space the scheduler never hands out, mapped never.
     `num_gpu_blocks_override` is the scheduler's figure, so it is set aside while planning.
     """
-    if not engine_settings().enabled:
+    settings = engine_settings()
+    if not settings.enabled:
         return configs
     planned = []
     for config in configs:
-        quantum = _whole_page_blocks(config.kv_cache_tensors, engine_settings().page_size)
+        quantum = _whole_page_blocks(config.kv_cache_tensors, settings.page_size)
         blocks = int(config.num_blocks)
         wanted = -(-blocks // quantum) * quantum
         if wanted == blocks:
@@ -195,7 +196,7 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
                 setattr(widened, field.name, getattr(config, field.name))
         logger.info("kvcached: the scheduler keeps vLLM's %d KV blocks; the workers' buffers "
                     "are planned for %d (whole %d-byte pages)", blocks, wanted,
-                    engine_settings().page_size)
+                    settings.page_size)
         planned.append(widened)
     return planned
 
