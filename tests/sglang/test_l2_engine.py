@@ -6,18 +6,23 @@ the shared prefix). Greedy output must be token-identical, the prefix cache must
 patched engine's mapped KV pages must grow with the burst and shrink when idle, and no
 function of the sgl_kernel import shim may have run. The same burst under a limit lowered below
 its working set, and two engines bursting together under one budget smaller than their working
-sets, must keep the stock tokens and stay within the limit and the budget.
+sets, must keep the stock tokens and stay within the limit and the budget. An engine of two
+tensor-parallel ranks does the same against stock at TP=2, every rank's pool following the
+burst, and a limit on one rank's pool binds both ranks.
 """
 
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvcached_core.limits import list_records
 from tests.sglang._venv import EngineVenv
 from tests.sglang.envs import INSIDE, engine_env
 
@@ -34,13 +39,22 @@ SHARED_BUDGET_PAGES = 5
 
 
 def run_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool,
-               lowered_limit: int | None = None) -> dict:
+               lowered_limit: int | None = None, tp: int = 1,
+               limit_one_rank: bool = False) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / "result.json"
     limit = [] if lowered_limit is None else ["--limit", str(lowered_limit)]
+    if limit_one_rank:
+        limit.append("--limit-one-rank")
+    env = engine_env(tmp, elastic=elastic)
+    if tp > 1:
+        # SGLang's CPU path binds each rank's threads to a NUMA node unless told which cores:
+        # one core a rank (this machine has one node).
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
     run = subprocess.run(
-        [str(venv.python), str(INSIDE / "run_engine.py"), str(model), str(out), *limit],
-        env=engine_env(tmp, elastic=elastic), capture_output=True, text=True, timeout=400,
+        [str(venv.python), str(INSIDE / "run_engine.py"), str(model), str(out), *limit,
+         "--tp", str(tp)],
+        env=env, capture_output=True, text=True, timeout=400,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-6000:]
     assert not (tmp / "shim-calls.log").exists(), (tmp / "shim-calls.log").read_text()
@@ -73,12 +87,18 @@ def run_engines_under_one_budget(venv: EngineVenv, model: Path, tmp: Path, *, en
     return [json.loads(out.read_text()) for out in outs]
 
 
+def write_model(factory: pytest.TempPathFactory, stock_venv: EngineVenv, name: str,
+                *args: str) -> Path:
+    """A tiny random-weight model written by `tiny_model.py ARGS` in the SGLang venv."""
+    out = factory.mktemp(name)
+    subprocess.run([str(stock_venv.python), str(Path(__file__).with_name("tiny_model.py")),
+                    str(out), *args], check=True, capture_output=True)
+    return out
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(stock_venv.python), str(Path(__file__).with_name("tiny_model.py")),
-                    str(out)], check=True, capture_output=True)
-    return out
+    return write_model(tmp_path_factory, stock_venv, "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +164,120 @@ def test_two_engines_under_a_budget_below_their_bursts_wait_not_fail(
     assert max(peaks) >= budget - page, (peaks, budget)
 
 
+# ---------------------------------------------------------------- two tensor-parallel ranks
+# A tiny Llama with 4 KV heads at TP=2: each rank holds 2 heads, so a rank's ledger page holds
+# 64 tokens, as the one-rank proof's engine's does. Each rank is a scheduler process with its
+# own pool and limit record; the ranks agree over SGLang's TP CPU group (gloo) on what fits.
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv) -> Path:
+    return write_model(tmp_path_factory, stock_venv, "tiny-llama-4-kv-heads", "--kv-heads", "4")
+
+
+@pytest.fixture(scope="module")
+def stock_tp_run(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv,
+                 tp_model: Path) -> dict:
+    return run_engine(stock_venv, tp_model, tmp_path_factory.mktemp("stock-tp"), elastic=False,
+                      tp=TP)
+
+
+def test_two_tensor_parallel_ranks_match_stock_and_each_ranks_memory_follows_demand(
+        stock_tp_run: dict, patched_venv: EngineVenv, tp_model: Path, tmp_path: Path) -> None:
+    patched = run_engine(patched_venv, tp_model, tmp_path / "patched-tp", elastic=True, tp=TP)
+
+    assert patched["outputs"] == stock_tp_run["outputs"]
+    assert patched["completion_tokens"] == stock_tp_run["completion_tokens"] == [12] * 11
+    assert patched["cached_tokens"] == stock_tp_run["cached_tokens"]
+    assert patched["cached_tokens"][-1] >= 40
+    page = PAGE * BUFFERS_PER_PAGE
+    ranks = patched["ranks"]
+    assert len(ranks["peak"]) == len(ranks["idle"]) == TP  # a pool on each rank
+    assert patched["kv_bytes"]["before"] == TP * page  # each rank's padding page
+    for peak, idle in zip(ranks["peak"], ranks["idle"], strict=True):
+        assert peak >= 4 * page  # the burst mapped pages on every rank
+        assert idle < peak and idle <= 4 * page  # and every rank gave them back
+
+
+def test_a_limit_on_one_rank_binds_every_rank_and_requests_wait_not_fail(
+        stock_tp_run: dict, patched_venv: EngineVenv, tp_model: Path, tmp_path: Path) -> None:
+    """`kvctl limit` on one rank's pool only, below the burst's working set: the ranks agree
+    on the smallest figure, so the other rank keeps within it too, and every request completes
+    with the stock tokens (without the agreement the limited rank schedules other batches
+    than its peer and the engine dies in a collective)."""
+    page = PAGE * BUFFERS_PER_PAGE
+    limit = LOWERED_LIMIT_PAGES * page
+    patched = run_engine(patched_venv, tp_model, tmp_path / "lowered-tp", elastic=True, tp=TP,
+                         lowered_limit=limit, limit_one_rank=True)
+    assert patched["outputs"] == stock_tp_run["outputs"]
+    assert patched["completion_tokens"] == [12] * 11
+    assert len(patched["ranks"]["peak"]) == TP
+    assert all(peak <= limit for peak in patched["ranks"]["peak"]), patched["ranks"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_engine_on_two_nodes(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool
+                            ) -> dict[str, Any]:
+    """One engine of two tensor-parallel ranks launched as two nodes on 127.0.0.1
+    (`--nnodes 2 --node-rank k`, SGLang's own distributed start-up through
+    `--dist-init-addr`): node 0 runs the workload, node 1 serves its rank until node 0's
+    engine shuts it down. Both nodes' records share one directory, so node 0's samples see
+    both ranks' pools."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    dist_init = f"127.0.0.1:{_free_port()}"
+    running = []
+    for rank in (1, 0):
+        env = engine_env(tmp, elastic=elastic)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = str(rank)
+        running.append(subprocess.Popen(
+            [str(venv.python), str(INSIDE / "run_engine.py"), str(model),
+             str(tmp / f"node-{rank}.json"), "--tp", "2", "--nnodes", "2", "--node-rank",
+             str(rank), "--dist-init-addr", dist_init, "--port", str(_free_port())],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    follower, leader = running
+    try:
+        leader_log = leader.communicate(timeout=500)[0]
+        follower_log = follower.communicate(timeout=120)[0]
+    finally:
+        for process in running:
+            process.kill()
+    assert leader.returncode == 0, leader_log[-8000:]
+    # Node 1 ends when node 0's engine shuts down. Stock SGLang's Python API ends it the same
+    # way (measured with the stock wheel): node 0 stops its own scheduler only, node 1's
+    # scheduler loses its peer in the next request broadcast, and node 1's launcher, told by
+    # its child, kills itself. No frame of kvcached_core may be in how it ended.
+    assert follower.returncode in (0, -signal.SIGKILL), follower_log[-8000:]
+    assert "kvcached_core" not in follower_log, follower_log[-8000:]
+    assert not (tmp / "shim-calls.log").exists(), (tmp / "shim-calls.log").read_text()
+    return json.loads((tmp / "node-0.json").read_text())
+
+
+# The same agreement as the TP=2 engine above, over a process group that SGLang's own
+# multi-node start-up builds: about 1.5 minutes, proven in each cell's verify-<cell> record.
+@pytest.mark.verify_only
+def test_an_engine_on_two_nodes_matches_stock_and_each_nodes_rank_follows_demand(
+        stock_tp_run: dict, patched_venv: EngineVenv, tp_model: Path, tmp_path: Path) -> None:
+    """`--nnodes 2` on loopback: the ranks agree over the process group SGLang sets up across
+    the nodes, with the tokens of the stock engine at TP=2; each node's rank maps pages for
+    the burst and gives them back, and both nodes end with no rank left running."""
+    patched = run_engine_on_two_nodes(patched_venv, tp_model, tmp_path / "nodes", elastic=True)
+    assert patched["outputs"] == stock_tp_run["outputs"]
+    assert patched["cached_tokens"] == stock_tp_run["cached_tokens"]
+    page = PAGE * BUFFERS_PER_PAGE
+    ranks = patched["ranks"]
+    assert len(ranks["peak"]) == len(ranks["idle"]) == TP
+    for peak, idle in zip(ranks["peak"], ranks["idle"], strict=True):
+        assert peak >= 4 * page and idle < peak and idle <= 4 * page
+    # No rank outlives the engine: every pool's record is its dead owner's (kvctl drops them).
+    assert all(record.stale for record in list_records(tmp_path / "nodes" / "shm"))
+
+
 # ---------------------------------------------------------------- hybrid sliding-window models
 # A tiny Laguna (tiny_model.py --model laguna): 3 layers with a 32-token window, 1 full-attention
 # layer, 2 KV heads of 16, run in float32. SGLang keeps a full-attention pool (1 layer) and a
@@ -181,10 +315,7 @@ def run_window_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool
 
 @pytest.fixture(scope="module")
 def window_model(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVenv) -> Path:
-    out = tmp_path_factory.mktemp("tiny-laguna")
-    subprocess.run([str(stock_venv.python), str(Path(__file__).with_name("tiny_model.py")),
-                    str(out), "--model", "laguna"], check=True, capture_output=True)
-    return out
+    return write_model(tmp_path_factory, stock_venv, "tiny-laguna", "--model", "laguna")
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,9 @@ def _write_generation_config(out: Path) -> None:
                                                            "eos_token_id": 2}))
 
 
-def write_tiny_llama(out: Path, *, seed: int = 0) -> Path:
-    """Write a 2-layer Llama (hidden 64, 4 heads, 2 KV heads) with its tokenizer to ``out``."""
+def write_tiny_llama(out: Path, *, seed: int = 0, kv_heads: int = 2) -> Path:
+    """Write a 2-layer Llama (hidden 64, 4 heads, `kv_heads` KV heads of 16 dims) with its
+    tokenizer to ``out``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,7 +45,7 @@ def write_tiny_llama(out: Path, *, seed: int = 0) -> Path:
     _write_tokenizer(out)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     )
     torch.manual_seed(seed)
@@ -96,8 +97,9 @@ if __name__ == "__main__":
     parser.add_argument("--model", choices=("llama", "laguna"), default="llama")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sliding-window", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=2, help="llama only")
     args = parser.parse_args()
     if args.model == "laguna":
         print(write_tiny_laguna(args.out, seed=args.seed, sliding_window=args.sliding_window))
     else:
-        print(write_tiny_llama(args.out, seed=args.seed))
+        print(write_tiny_llama(args.out, seed=args.seed, kv_heads=args.kv_heads))

@@ -42,18 +42,19 @@ def test_mamba_and_older_cells_hybrid_models_are_refused_in_one_line() -> None:
         refuse_unsupported(**PLAIN, hybrid_layers=True)
 
 
-def test_an_engine_over_several_ranks_is_refused_before_any_pool_exists(
+def test_ranks_that_schedule_different_batches_are_refused_before_any_pool_exists(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvcached_core.integration.sglang import pools
+    from kvcached_core.integration.sglang import pools, ranks
 
-    monkeypatch.setattr(pools, "distributed_world_size", lambda: 2)
+    monkeypatch.setattr(ranks, "distributed_world_size", lambda: 2)
+    monkeypatch.setattr(ranks, "_ranks_not_sharing_batches", lambda _: "pipeline parallelism")
     with pytest.raises(KVCachedConfigError) as refused:
         pools.create_kv_pool(kind="mha", device="cpu", num_layers=2, num_buffers=2,
                              page_tokens=16, token_bytes=64, rows=1024)
     message = str(refused.value)
-    assert "over 2 ranks" in message and "KVCACHED_ENABLE=0" in message
-    assert "\n" not in message
-    monkeypatch.setattr(pools, "distributed_world_size", lambda: 1)
+    assert "over 2 ranks" in message and "pipeline parallelism" in message
+    assert "KVCACHED_ENABLE=0" in message and "\n" not in message
+    monkeypatch.setattr(ranks, "distributed_world_size", lambda: 1)
     pool, rows = pools.create_kv_pool(kind="mha", device="cpu", num_layers=2, num_buffers=2,
                                       page_tokens=16, token_bytes=64, rows=1024)
     try:

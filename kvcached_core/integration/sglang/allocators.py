@@ -35,6 +35,7 @@ from kvcached_core.errors import KVCachedConfigError, PoolExhausted, StateConsis
 from kvcached_core.integration.sglang.capacity import evict_under_limit
 from kvcached_core.integration.sglang.pools import kvcached_pool_of, refuse_unless_leaf
 from kvcached_core.integration.sglang.prefix_cache import shares_prefixes
+from kvcached_core.integration.sglang.ranks import RankAgreement, engine_rank_agreement
 
 if TYPE_CHECKING:
     import torch
@@ -50,8 +51,12 @@ BUDGET_POLL_S = 0.005
 class _ElasticLedger:
     """SGLang page ids held by one allocator, on top of its pool's block ledger."""
 
-    def __init__(self, pool: KVPool, num_pages: int) -> None:
+    def __init__(self, pool: KVPool, num_pages: int,
+                 agreement: RankAgreement | None = None) -> None:
         self.pool = pool
+        #: The engine's other ranks, which must take the same decisions (`ranks.py`); None
+        #: for an engine of one rank.
+        self.agreement = agreement
         if pool.null_block_id != 0:
             raise KVCachedConfigError("kvcached: the SGLang pool must set block 0 aside")
         ledger_blocks = pool.num_blocks
@@ -66,11 +71,21 @@ class _ElasticLedger:
         self.parked: list[int] = []
 
     def take(self, count: int) -> list[int] | None:
-        """`count` distinct page ids in 1..num_pages, or None (nothing changed)."""
+        """`count` distinct page ids in 1..num_pages, or None (nothing changed): on an
+        engine of several ranks, None on every rank when any rank could not take them."""
         if count <= 0:
             return []
         if count > self.num_pages - self.held:
+            return None  # the same on every rank: their ledgers hold the same counts
+        ids = self._take_here(count)
+        if self.agreement is not None and not self.agreement.all_succeeded(ids is not None):
+            if ids is not None:
+                self.give_back(ids)
             return None
+        return ids
+
+    def _take_here(self, count: int) -> list[int] | None:
+        """`take` on this rank alone."""
         pool = self.pool
         try:
             ids = pool.alloc(count)
@@ -161,7 +176,10 @@ class _ElasticLedger:
                 beyond = 0
         now = min(under_budget, pool.available_size() - beyond)
         headroom = min(pool.num_blocks - parked, self.limit) - 1 - self.held
-        return min(logical, now, headroom)
+        pages = min(logical, now, headroom)
+        if self.agreement is not None:
+            return self.agreement.least(pages)
+        return pages
 
 
 class AllocationsSinceBackup:
@@ -175,8 +193,9 @@ class _JournaledLedger(_ElasticLedger):
     """A ledger that can undo what was taken since the last backup (the allocators'
     `backup_state` / `restore_state`, which SGLang has up to 0.5.16)."""
 
-    def __init__(self, pool: KVPool, num_pages: int) -> None:
-        super().__init__(pool, num_pages)
+    def __init__(self, pool: KVPool, num_pages: int,
+                 agreement: RankAgreement | None = None) -> None:
+        super().__init__(pool, num_pages, agreement)
         self.journal: AllocationsSinceBackup | None = None
 
     def take(self, count: int) -> list[int] | None:
@@ -257,7 +276,8 @@ class _ElasticAllocatorCommon:
         num_pages = allocator.size // allocator.page_size
         if ledger is None:
             refuse_unless_leaf(self, "token allocator")
-            ledger = self._kvcached_ledger_type(kvcached_pool_of(allocator._kvcache), num_pages)
+            ledger = self._kvcached_ledger_type(kvcached_pool_of(allocator._kvcache), num_pages,
+                                                engine_rank_agreement())
             self._kvcached = ledger
         else:
             if num_pages + 1 > ledger.pool.num_blocks:

@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.integration.sglang.ranks import engine_rank_agreement
 from kvcached_core.integration.sglang.switch import sglang_settings
 from kvcached_core.native import as_tensor
 from kvcached_core.pool import BackendKind, KVPool, PoolPolicy, PoolSpec
@@ -65,7 +66,7 @@ def create_kv_pool(
 
     Returns the pool and the rows each buffer region really spans (whole physical pages).
     """
-    _refuse_several_ranks()
+    engine_rank_agreement()  # refuses ranks that do not share every batch
     settings = sglang_settings()
     block_bytes = page_tokens * token_bytes
     unit = max(settings.page_size, block_bytes)
@@ -82,32 +83,6 @@ def create_kv_pool(
         export_metrics=False,
     )
     return pool, pool.geometry.bytes_per_layer_per_buffer // token_bytes
-
-
-def distributed_world_size() -> int:
-    """Ranks of this engine's torch.distributed world (1 before it exists or without one)."""
-    import torch.distributed as dist
-
-    return int(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1
-
-
-def _refuse_several_ranks() -> None:
-    """SGLang runs a scheduler per rank, each deciding from its own pool what fits (admission,
-    eviction, retraction, the decode check) and relying on every rank deciding the same. Each
-    rank's elastic pool has its own limit and races its own neighbours for memory, so ranks
-    could decide differently and desynchronise (a collective that hangs, or a batch summed
-    with another's). Until the ranks agree on what fits, more than one rank is refused."""
-    ranks = distributed_world_size()
-    if ranks > 1:
-        from kvcached_core.limits import engine_of_this_process
-
-        cell = engine_of_this_process() or "this build"
-        raise KVCachedConfigError(
-            f"kvcached: elastic KV memory (KVCACHED_ENABLE=1) in {cell} does not support an "
-            f"SGLang engine over {ranks} ranks (tensor, pipeline or data-parallel attention) "
-            "yet: each rank's pool would decide alone what fits, and ranks that decide "
-            "differently desynchronise (docs/runtime.md); set KVCACHED_ENABLE=0"
-        )
 
 
 #: Set in the body of the class the build writes; a subclass of it does not inherit the claim.
