@@ -234,7 +234,9 @@ def run_engine_on_two_nodes(venv: EngineVenv, model: Path, tmp: Path, *, elastic
     running = []
     for rank in (1, 0):
         env = engine_env(tmp, elastic=elastic)
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = str(rank)
+        # The node's core for every entry: releases up to 0.5.16 want one entry a TP rank and
+        # read the rank's own, later ones read the entry of the node-local device index.
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join([str(rank)] * TP)
         running.append(subprocess.Popen(
             [str(venv.python), str(INSIDE / "run_engine.py"), str(model),
              str(tmp / f"node-{rank}.json"), "--tp", "2", "--nnodes", "2", "--node-rank",
