@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import statistics
 import time
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from kvcached_core.router.engines import free_port
 
 
 def _rank(rank: int, ranks: int, port: int, calls: int, rounds: int, out: Any) -> None:
@@ -65,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_rank, args=(rank, args.ranks, port, args.calls,
                                                      args.rounds, out))
                  for rank in range(args.ranks)]

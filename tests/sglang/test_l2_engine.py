@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvcached_core.limits import list_records
+from kvcached_core.router.engines import free_port
 from tests.sglang._venv import EngineVenv
 from tests.sglang.envs import INSIDE, engine_env
 
@@ -184,6 +184,18 @@ def stock_tp_run(tmp_path_factory: pytest.TempPathFactory, stock_venv: EngineVen
                       tp=TP)
 
 
+def assert_every_rank_follows_the_burst(result: dict[str, Any]) -> None:
+    """Each rank's pool holds its padding page before the burst, maps pages for it and gives
+    them back when idle."""
+    page = PAGE * BUFFERS_PER_PAGE
+    ranks = result["ranks"]
+    assert len(ranks["peak"]) == len(ranks["idle"]) == TP  # a pool on each rank
+    assert result["kv_bytes"]["before"] == TP * page  # each rank's padding page
+    for peak, idle in zip(ranks["peak"], ranks["idle"], strict=True):
+        assert peak >= 4 * page  # the burst mapped pages on every rank
+        assert idle < peak and idle <= 4 * page  # and every rank gave them back
+
+
 def test_two_tensor_parallel_ranks_match_stock_and_each_ranks_memory_follows_demand(
         stock_tp_run: dict, patched_venv: EngineVenv, tp_model: Path, tmp_path: Path) -> None:
     patched = run_engine(patched_venv, tp_model, tmp_path / "patched-tp", elastic=True, tp=TP)
@@ -192,13 +204,7 @@ def test_two_tensor_parallel_ranks_match_stock_and_each_ranks_memory_follows_dem
     assert patched["completion_tokens"] == stock_tp_run["completion_tokens"] == [12] * 11
     assert patched["cached_tokens"] == stock_tp_run["cached_tokens"]
     assert patched["cached_tokens"][-1] >= 40
-    page = PAGE * BUFFERS_PER_PAGE
-    ranks = patched["ranks"]
-    assert len(ranks["peak"]) == len(ranks["idle"]) == TP  # a pool on each rank
-    assert patched["kv_bytes"]["before"] == TP * page  # each rank's padding page
-    for peak, idle in zip(ranks["peak"], ranks["idle"], strict=True):
-        assert peak >= 4 * page  # the burst mapped pages on every rank
-        assert idle < peak and idle <= 4 * page  # and every rank gave them back
+    assert_every_rank_follows_the_burst(patched)
 
 
 def test_a_limit_on_one_rank_binds_every_rank_and_requests_wait_not_fail(
@@ -213,14 +219,9 @@ def test_a_limit_on_one_rank_binds_every_rank_and_requests_wait_not_fail(
                          lowered_limit=limit, limit_one_rank=True)
     assert patched["outputs"] == stock_tp_run["outputs"]
     assert patched["completion_tokens"] == [12] * 11
+    assert patched["lowered"]["pools_limited"] == 1  # one rank's pool of the two
     assert len(patched["ranks"]["peak"]) == TP
     assert all(peak <= limit for peak in patched["ranks"]["peak"]), patched["ranks"]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_engine_on_two_nodes(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool
@@ -231,7 +232,7 @@ def run_engine_on_two_nodes(venv: EngineVenv, model: Path, tmp: Path, *, elastic
     engine shuts it down. Both nodes' records share one directory, so node 0's samples see
     both ranks' pools."""
     tmp.mkdir(parents=True, exist_ok=True)
-    dist_init = f"127.0.0.1:{_free_port()}"
+    dist_init = f"127.0.0.1:{free_port()}"
     running = []
     for rank in (1, 0):
         env = engine_env(tmp, elastic=elastic)
@@ -240,8 +241,8 @@ def run_engine_on_two_nodes(venv: EngineVenv, model: Path, tmp: Path, *, elastic
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join([str(rank)] * TP)
         running.append(subprocess.Popen(
             [str(venv.python), str(INSIDE / "run_engine.py"), str(model),
-             str(tmp / f"node-{rank}.json"), "--tp", "2", "--nnodes", "2", "--node-rank",
-             str(rank), "--dist-init-addr", dist_init, "--port", str(_free_port())],
+             str(tmp / f"node-{rank}.json"), "--tp", str(TP), "--nnodes", "2", "--node-rank",
+             str(rank), "--dist-init-addr", dist_init, "--port", str(free_port())],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     follower, leader = running
     try:
@@ -272,11 +273,7 @@ def test_an_engine_on_two_nodes_matches_stock_and_each_nodes_rank_follows_demand
     patched = run_engine_on_two_nodes(patched_venv, tp_model, tmp_path / "nodes", elastic=True)
     assert patched["outputs"] == stock_tp_run["outputs"]
     assert patched["cached_tokens"] == stock_tp_run["cached_tokens"]
-    page = PAGE * BUFFERS_PER_PAGE
-    ranks = patched["ranks"]
-    assert len(ranks["peak"]) == len(ranks["idle"]) == TP
-    for peak, idle in zip(ranks["peak"], ranks["idle"], strict=True):
-        assert peak >= 4 * page and idle < peak and idle <= 4 * page
+    assert_every_rank_follows_the_burst(patched)
     # No rank outlives the engine: within seconds every pool's record is its dead owner's (a
     # scheduler process ends a moment after its launcher; kvctl drops stale records).
     deadline = time.monotonic() + 30

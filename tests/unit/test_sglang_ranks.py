@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 import sys
 import time
 import types
@@ -21,18 +20,13 @@ import pytest
 
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.sglang import ranks
+from kvcached_core.router.engines import free_port
 from tests.unit.pool_factory import create_pool
 
 PAGE = 4096
 TOKEN_BYTES = 64  # one slot per ledger block: 64 blocks a page per layer and buffer
 PAGE_BYTES_ALL_LAYERS = PAGE * 2 * 2  # 2 layers x K and V
 SLOTS = 1023
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _rank(rank: int, port: int, shm_dir: str, results: Any) -> None:
@@ -75,7 +69,7 @@ def _rank(rank: int, port: int, shm_dir: str, results: Any) -> None:
 def test_ranks_agree_on_what_fits_and_refuse_together(tmp_path: Any) -> None:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_rank, args=(rank, port, str(tmp_path), results))
                  for rank in range(2)]
     for process in processes:

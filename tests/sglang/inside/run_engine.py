@@ -44,7 +44,7 @@ class KVSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def set_limits(limit_bytes: int, *, one_rank: bool = False) -> None:
+    def set_limits(limit_bytes: int, *, one_rank: bool = False) -> int:
         """Limit every pool of the engine, as `kvctl limit` does; with `one_rank`, only the
         pools of one of its ranks (the scheduler process with the highest pid)."""
         from kvcached_core.limits import list_records, set_limit
@@ -55,6 +55,7 @@ class KVSampler:
             records = [r for r in records if r.owner_pid == last]
         for record in records:
             set_limit(record.pool, limit_bytes)
+        return len(records)
 
     @staticmethod
     def per_rank() -> dict[int, int]:
@@ -180,7 +181,7 @@ def main(model: str, out: str, lowered_limit: int | None = None,
         with KVSampler() as sampler:
             before = sampler.now()
             if lowered_limit is not None:
-                sampler.set_limits(lowered_limit, one_rank=limit_one_rank)
+                pools_limited = sampler.set_limits(lowered_limit, one_rank=limit_one_rank)
                 time.sleep(0.5)  # the pool's limit watcher polls the record every 0.1 s
             if barrier is not None:
                 wait_for_parties(barrier, parties)
@@ -208,7 +209,7 @@ def main(model: str, out: str, lowered_limit: int | None = None,
             "ranks": {"peak": sorted(ranks_peak.values()), "idle": sorted(ranks_idle.values())},
         }
         if lowered_limit is not None:
-            result["lowered"] = {"limit": lowered_limit,
+            result["lowered"] = {"limit": lowered_limit, "pools_limited": pools_limited,
                                  "burst_peak": max(during_burst, default=None)}
         if sampler.budget_samples:
             result["budget"] = {"burst_peak_charged": max(budget_during_burst, default=None)}
