@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvcached_core.errors import KVCachedConfigError, KVCachedError
+from kvcached_core.processes import has_exited
 from kvcached_core.settings import current_settings
 
 MAGIC = b"KVCLIMIT"
@@ -84,6 +85,8 @@ def record_path(pool: str, directory: str | os.PathLike[str] | None = None) -> P
 
 
 def pid_alive(pid: int) -> bool:
+    """The process exists and has not exited: a zombie owner (killed, not yet reaped, or an
+    orphan nobody reaps) holds no pages, so its records are stale."""
     if pid <= 0:
         return False
     try:
@@ -91,8 +94,8 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return not has_exited(pid)
 
 
 @dataclass(frozen=True)

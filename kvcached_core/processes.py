@@ -13,6 +13,39 @@ from pathlib import Path
 ANCESTORS_SEARCHED = 4
 
 
+def _stat_after_name(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, pgrp, ...); [] where the
+    process is gone. The name (in parentheses) may hold spaces: the fields after it are plain."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat.rsplit(")", 1)[1].split()
+
+
+def state_of(pid: int) -> str:
+    """The process's state letter (R, S, D, Z ...), or "" where it is gone."""
+    fields = _stat_after_name(pid)
+    return fields[0] if fields else ""
+
+
+def has_exited(pid: int) -> bool:
+    """The process is gone or a zombie. A zombie holds no memory and runs no code, but its pid
+    answers signals until its parent reaps it; an orphan's parent (the container's first
+    process, often a shell) may never reap it, so a zombie counts as exited."""
+    return state_of(pid) in ("", "Z", "X")
+
+
+def group_members(group: int) -> list[int]:
+    """The processes of process group `group` that have not exited (zombies left out)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        fields = _stat_after_name(int(entry.name)) if entry.name.isdigit() else []
+        if fields and int(fields[2]) == group and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
 def cmdline(pid: int) -> list[str]:
     """The process's command line, or [] where it is gone or unreadable."""
     try:
@@ -24,12 +57,8 @@ def cmdline(pid: int) -> list[str]:
 
 def parent_of(pid: int) -> int:
     """The parent's pid (0 where the process is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    # The command name (in parentheses) may hold spaces: the fields after it are plain.
-    return int(stat.rsplit(")", 1)[1].split()[1])
+    fields = _stat_after_name(pid)
+    return int(fields[1]) if fields else 0
 
 
 def descends_from(pid: int, ancestor: int) -> bool:

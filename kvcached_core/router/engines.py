@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO
 
 from kvcached_core.limits import LimitRecord, collect_stale, scan_records, set_limit
-from kvcached_core.processes import in_tree_of
+from kvcached_core.processes import group_members, in_tree_of
 from kvcached_core.router.config import DeviceSpec, ModelSpec
 
 READY_POLL_S = 0.5
@@ -175,6 +175,10 @@ class Engine:
                 os.killpg(process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=STOP_GRACE_S)
+            # SIGKILL lands when each child next runs: until then it still owns its records.
+            deadline = time.monotonic() + STOP_GRACE_S
+            while group_members(process.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         self.process = None
         self._close_log()
         self._limits_before_sleep = {}

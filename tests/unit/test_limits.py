@@ -89,6 +89,23 @@ def test_stale_record_is_replaced_on_create_and_collected(tmp_path: Path) -> Non
     fresh.close()
 
 
+def test_a_record_whose_owner_is_a_zombie_is_stale_and_collected(tmp_path: Path) -> None:
+    # A killed owner that nobody has reaped yet still answers signals: it holds no pages.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)
+    segment = LimitSegment.create("zombie", capacity_bytes=GIB, directory=tmp_path)
+    record = read_record("zombie", tmp_path)
+    segment.path.write_bytes(type(record)(
+        "zombie", record.limit_bytes, 0, 0, record.revision, child.pid,
+        record.capacity_bytes).pack())
+    assert read_record("zombie", tmp_path).stale
+    assert [r.pool for r in collect_stale(tmp_path)] == ["zombie"]
+    child.wait()
+
+
 def test_set_limit_bumps_revision_clamps_and_refuses_stale_revision(tmp_path: Path) -> None:
     segment = LimitSegment.create("p", capacity_bytes=4 * GIB, directory=tmp_path)
     first = set_limit("p", GIB, directory=tmp_path)

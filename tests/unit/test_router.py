@@ -3,6 +3,7 @@ that stand in for server processes; tests/e2e/test_router.py runs real engines."
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -376,3 +377,43 @@ def test_an_engine_that_died_is_cleaned_up_and_started_again_by_the_next_request
     row = next(r for r in fleet.status() if r["model"] == "a")
     assert row["state"] == "awake"
     assert str(row["last_error"]).startswith("engine of 'a' exited unasked with status")
+
+
+# ---------------------------------------------------------------------- stopping a process
+
+# The server's child owns a pool (as SGLang's scheduler does) and outlives SIGTERM.
+_SERVER_WITH_A_POOL_OWNING_CHILD = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+from kvcached_core.limits import LimitSegment
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+segment = LimitSegment.create("scheduler-pool", capacity_bytes=1 << 20, directory=sys.argv[1])
+print("ready", flush=True)
+time.sleep(600)
+''', sys.argv[1]])
+child.wait()
+"""
+
+
+def test_stopping_an_engine_leaves_no_record_of_its_childrens_pools(tmp_path: Path) -> None:
+    from kvcached_core.limits import scan_records
+    from kvcached_core.processes import group_members
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    config = parse_config(_document(_model("a"), shm_dir=str(shm)), tmp_path)
+    engine = Engine(config.models[0], config.device("gpu0"), config.log_dir, str(shm))
+    engine.process = subprocess.Popen(
+        [sys.executable, "-c", _SERVER_WITH_A_POOL_OWNING_CHILD, str(shm)],
+        start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not scan_records(shm)[0]:
+        assert time.monotonic() < deadline and engine.alive(), "the child made no pool"
+        time.sleep(0.05)
+    group = engine.process.pid
+    engine.stop()
+    # The moment stop() returns, the child is gone and so is its record: a router that
+    # shuts down leaves nothing for the next one to find.
+    assert scan_records(shm) == ([], [])
+    assert group_members(group) == []
