@@ -43,15 +43,19 @@ def pytest_configure(config: pytest.Config) -> None:
 #   and build the README's engine venv; test_readme and test_workflows run nox sessions, which
 #   install the runtime editable and so rebuild its extension in place): two at once would
 #   write the same files;
-# - one group per proof suite whose session-scoped environments are built for the run (SGLang
-#   venvs, vLLM contract trees, cell builds): on one worker they are built once;
-# - every other module is its own group, so its module-scoped fixtures are built once.
+# - one group per proof suite whose session-scoped environments are built for the run and
+#   shared by its modules (SGLang venvs, vLLM contract trees): on one worker they are built once;
+# - every other module is its own group, so its module-scoped fixtures are built once (the two
+#   modules of tests/cells share nothing: each builds its own cells' sources or wheels).
 # A worker takes its next group when the one it runs is nearly done, in collection order, which
 # puts the longest groups first (`--no-loadscope-reorder` keeps that order): the longest starts
-# at once on one worker while the others work through the rest.
+# at once on one worker while the others work through the rest, and the shorter ones fill in
+# behind them (on two workers: the checkout on one, the contract and SGLang suites and the
+# cells' modules on the other, the small modules wherever a worker is free).
 _WRITES_TO_CHECKOUT = ("e2e/", "forge/test_readme.py", "forge/test_workflows.py")
-_SUITE_GROUPS = ("sglang/", "contract/", "cells/")
-_GROUP_ORDER = ("checkout", "sglang", "contract", "cells")
+_SUITE_GROUPS = ("sglang/", "contract/")
+_GROUP_ORDER = ("checkout", "contract", "sglang", "cells/test_cell_sources.py",
+                "cells/test_cell_build.py")
 
 
 def worker_group(nodeid: str) -> str:

@@ -13,11 +13,13 @@ groups) and vLLM 0.10.1 - 0.23 (one buffer per KVCacheTensor; Model Runner V2 wh
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -210,6 +212,7 @@ BACKENDS = {
     "flash-attn-NHD": ("flash_attn", "FlashAttentionBackend", "NHD"),
     "flash-attn-HND": ("flash_attn", "FlashAttentionBackend", "HND"),
 }
+KV_LAYOUTS = ("per-layer", "auto")
 
 
 @pytest.fixture(scope="session")
@@ -233,48 +236,135 @@ def patched_tree() -> Iterator[Callable[[Cell], Path]]:
         yield tree_of
 
 
-def run_script(cell: Cell, tree: Path, script: str, backend: str, kv_layout: str,
-               tmp_path: Path, **extra_env: str) -> None:
+# Each variant (backend x layout) of a cell's script runs in a child forked from one process
+# that imported torch and the release's model runner once: on a 2-core host that import is
+# about 10 s of each variant's 11. The children import kvcached_core and read their settings
+# themselves; nothing of vLLM that a variant sets (VLLM_KV_CACHE_LAYOUT, read through an
+# lru_cache at the first view) has been read before the fork. One thread: no OpenMP pool is
+# running in the parent when it forks.
+VARIANT_DRIVER = r"""
+import importlib, json, os, signal, sys, traceback
+
+import torch
+
+torch.set_num_threads(1)
+for module in ("vllm.v1.kv_cache_interface", "vllm.v1.worker.gpu_model_runner",
+               "vllm.v1.worker.utils"):
+    importlib.import_module(module)
+with open(sys.argv[1]) as handle:
+    jobs = json.load(handle)
+statuses = {}
+for key, job in jobs.items():
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            out = os.open(job["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            signal.alarm(job["timeout_s"])  # a hung variant dies; the others still run
+            for name in job["unset"]:
+                os.environ.pop(name, None)
+            os.environ.update(job["env"])
+            exec(compile(job["script"], "<kv-views>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    statuses[key] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+with open(sys.argv[2], "w") as handle:
+    json.dump(statuses, handle)
+"""
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    status: int
+    output: str
+
+    @property
+    def passed(self) -> bool:
+        return self.status == 0 and self.output.strip().endswith("OK")
+
+
+def run_variants(cell: Cell, tree: Path, script: str, where: Path,
+                 **extra_env: str) -> dict[tuple[str, str], VariantResult]:
+    """The script under every backend and layout of BACKENDS, in one process's children."""
     python = contract_venv(cell)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_"))}
-    module, cls, layout = BACKENDS[backend]
     env.update({
         "PYTHONPATH": f"{tree}{os.pathsep}{tree.parent / 'imports'}",
-        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
         "KVCACHED_PAGE_SIZE": str(32 << 10), "KVCACHED_MIN_RESERVED_PAGES": "0",
-        "KVCACHED_MAX_RESERVED_PAGES": "0", "KVCACHED_PREALLOC": "0",
-        "KVCACHED_LAYOUT": kv_layout,
-        "KVCACHED_POOL_NAME": f"kvviews-{os.getpid()}", "KVCACHED_SHM_DIR": str(tmp_path),
-        "KV_BACKEND_MODULE": module, "KV_BACKEND_CLASS": cls, **extra_env,
+        "KVCACHED_MAX_RESERVED_PAGES": "0", "KVCACHED_PREALLOC": "0", **extra_env,
     })
-    if layout:
-        env["VLLM_KV_CACHE_LAYOUT"] = layout
-    done = subprocess.run([str(python), "-c", script], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
+    jobs = {}
+    for backend, (module, cls, layout) in sorted(BACKENDS.items()):
+        for kv_layout in KV_LAYOUTS:
+            key = f"{backend}/{kv_layout}"
+            shm = where / key.replace("/", "-")
+            shm.mkdir(parents=True)
+            variant = {"KVCACHED_LAYOUT": kv_layout, "KVCACHED_SHM_DIR": str(shm),
+                       "KVCACHED_POOL_NAME": f"kvviews-{os.getpid()}-{len(jobs)}",
+                       "KV_BACKEND_MODULE": module, "KV_BACKEND_CLASS": cls}
+            if layout:
+                variant["VLLM_KV_CACHE_LAYOUT"] = layout
+            jobs[key] = {"env": variant, "unset": [] if layout else ["VLLM_KV_CACHE_LAYOUT"],
+                         "script": script, "out": str(shm / "output.txt"), "timeout_s": 300}
+    (where / "jobs.json").write_text(json.dumps(jobs), encoding="utf-8")
+    done = subprocess.run([str(python), "-c", VARIANT_DRIVER, str(where / "jobs.json"),
+                           str(where / "statuses.json")], env=env, capture_output=True,
+                          text=True, timeout=1800, cwd=where)
+    assert done.returncode == 0, done.stderr[-4000:]
+    statuses = json.loads((where / "statuses.json").read_text(encoding="utf-8"))
+    return {tuple(key.split("/")): VariantResult(  # type: ignore[misc]
+                statuses[key], Path(job["out"]).read_text(errors="replace"))
+            for key, job in jobs.items()}
 
 
-@pytest.mark.parametrize("kv_layout", ["per-layer", "auto"])
+@pytest.fixture(scope="session")
+def variant_results(patched_tree: Callable[[Cell], Path],
+                    tmp_path_factory: pytest.TempPathFactory
+                    ) -> Callable[..., dict[tuple[str, str], VariantResult]]:
+    """Every variant's result of one cell and script, run on the first test that asks."""
+    made: dict[tuple[str, str], dict[tuple[str, str], VariantResult]] = {}
+
+    def results_of(cell: Cell, runners: str, **extra_env: str
+                   ) -> dict[tuple[str, str], VariantResult]:
+        if (cell.name, runners) not in made:
+            script = SETUP + (PACKED_RUNNERS if runners == "packed" else UNPACKED_RUNNERS) + CHECK
+            where = tmp_path_factory.mktemp(f"kvviews-{cell.name}-{runners}")
+            made[cell.name, runners] = run_variants(cell, patched_tree(cell), script, where,
+                                                    **extra_env)
+        return made[cell.name, runners]
+
+    return results_of
+
+
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_patched_kv_buffers_read_like_stock_ones(
-        cell: Cell, patched_tree: Callable[[Cell], Path], backend: str, kv_layout: str,
-        tmp_path: Path) -> None:
+        cell: Cell, variant_results: Callable[..., dict[tuple[str, str], VariantResult]],
+        backend: str, kv_layout: str) -> None:
     """Per layer, and with the default layout choice (`auto`: one compound page for all
     layers wherever the backend's layout is blocks-first, as all three here are)."""
-    run_script(cell, patched_tree(cell), SETUP + PACKED_RUNNERS + CHECK, backend, kv_layout,
-               tmp_path)
+    result = variant_results(cell, "packed")[backend, kv_layout]
+    assert result.passed, result.output[-4000:]
 
 
 @pytest.mark.cell_needs("vllm-kv-buffers-attn-groups")
-@pytest.mark.parametrize("kv_layout", ["per-layer", "auto"])
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_unpacked_kv_buffers_of_0_10_to_0_23_read_like_stock_ones(
-        cell: Cell, patched_tree: Callable[[Cell], Path], backend: str, kv_layout: str,
-        tmp_path: Path) -> None:
+        cell: Cell, variant_results: Callable[..., dict[tuple[str, str], VariantResult]],
+        backend: str, kv_layout: str) -> None:
     """The V1 runner through its attention groups, and Model Runner V2 where the cell rewrites
     it (0.22, 0.23). Up to 0.22 the three backends keep K and V in two planes outside the
     blocks (`auto` stays per layer), from 0.23 they are blocks-first."""
     transforms = {t.id for t in select_transforms(proof_registry(), cell)}
     mrv2 = [name for tid, name in MRV2_UNPACKED.items() if tid in transforms]
-    run_script(cell, patched_tree(cell), SETUP + UNPACKED_RUNNERS + CHECK, backend, kv_layout,
-               tmp_path, KV_MRV2=",".join(mrv2))
+    result = variant_results(cell, "unpacked", KV_MRV2=",".join(mrv2))[backend, kv_layout]
+    assert result.passed, result.output[-4000:]

@@ -196,6 +196,7 @@ def assert_every_rank_follows_the_burst(result: dict[str, Any]) -> None:
         assert idle < peak and idle <= 4 * page  # and every rank gave them back
 
 
+@pytest.mark.verify_only  # every CI run proves TP=2 under a limit, just below
 def test_two_tensor_parallel_ranks_match_stock_and_each_ranks_memory_follows_demand(
         stock_tp_run: dict, patched_venv: EngineVenv, tp_model: Path, tmp_path: Path) -> None:
     patched = run_engine(patched_venv, tp_model, tmp_path / "patched-tp", elastic=True, tp=TP)
@@ -220,8 +221,12 @@ def test_a_limit_on_one_rank_binds_every_rank_and_requests_wait_not_fail(
     assert patched["outputs"] == stock_tp_run["outputs"]
     assert patched["completion_tokens"] == [12] * 11
     assert patched["lowered"]["pools_limited"] == 1  # one rank's pool of the two
-    assert len(patched["ranks"]["peak"]) == TP
-    assert all(peak <= limit for peak in patched["ranks"]["peak"]), patched["ranks"]
+    ranks = patched["ranks"]
+    assert len(ranks["peak"]) == len(ranks["idle"]) == TP  # a pool on each rank
+    assert patched["kv_bytes"]["before"] == TP * page  # each rank's padding page
+    # Every rank mapped pages for the burst, the unlimited one no more than the limit.
+    assert all(page < peak <= limit for peak in ranks["peak"]), ranks
+    assert all(idle <= peak for idle, peak in zip(ranks["idle"], ranks["peak"], strict=True))
 
 
 def run_engine_on_two_nodes(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool
