@@ -68,10 +68,11 @@ GIB = 1 << 30
 E2E_SCRIPT = Path(__file__).resolve().with_name("gpu_sglang_e2e.py")
 
 # Lines of an engine's log worth keeping in the summary: what free memory it saw, what KV it
-# sized, what the start-up seams said (window waits, neighbours' KV counted back), and errors.
+# sized, what the start-up seams said (window waits, neighbours' KV counted back), errors,
+# and SGLang's retractions when the KV it can take runs short.
 LOG_PATTERNS = re.compile(
     r"kvcached|start-up window|avail mem=|max_total_num_tokens=|KV Cache is allocated|"
-    r"Error|error:|out of memory|Traceback")
+    r"Error|error:|out of memory|Traceback|Retract requests")
 
 
 # ---------------------------------------------------------------------------------- child

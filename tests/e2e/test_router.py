@@ -14,6 +14,7 @@ starts only after an idle engine stops, and never a busy one. What a user relies
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -161,17 +163,40 @@ def test_router_serves_four_models_and_sleeps_and_wakes_them(
             client.completions.create(model="llama-z", prompt="hi", max_tokens=2)
         assert "llama-a, llama-b, llama-c, sg" in str(unknown.value)
 
+        prompts = {"llama-a": "the quick brown fox", "llama-b": "the quick brown fox",
+                   "llama-c": "the quick brown fox", "sg": "w1 w2 w3 w4 w5"}
+
+        @contextlib.contextmanager
+        def held_awake(name: str) -> Iterator[None]:
+            """A request the test sends an engine directly is not one the router counts: on
+            a slow host the router would put the engine to sleep under it. The router never
+            sleeps an engine with a request of its own in flight, so one streamed request
+            through the router is held open meanwhile."""
+            hold = client.completions.create(
+                model=name, prompt=prompts[name], max_tokens=300, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            next(iter(hold))  # the engine is awake and the request runs
+            try:
+                yield
+            finally:
+                hold.close()
+
         def ask(name: str, prompt: str, max_tokens: int = 12, *,
                 direct_port: int | None = None) -> tuple[str, int]:
-            target = client if direct_port is None else openai.OpenAI(
-                base_url=f"http://127.0.0.1:{direct_port}/v1", api_key="unused", timeout=300)
-            answer = target.completions.create(model=name, prompt=prompt, max_tokens=max_tokens,
-                                               temperature=0, extra_body={"ignore_eos": True})
+            if direct_port is not None:
+                with held_awake(name):
+                    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{direct_port}/v1",
+                                           api_key="unused", timeout=300)
+                    answer = direct.completions.create(
+                        model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                        extra_body={"ignore_eos": True})
+            else:
+                answer = client.completions.create(
+                    model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                    extra_body={"ignore_eos": True})
             assert answer.usage is not None
             return answer.choices[0].text, answer.usage.completion_tokens
 
-        prompts = {"llama-a": "the quick brown fox", "llama-b": "the quick brown fox",
-                   "llama-c": "the quick brown fox", "sg": "w1 w2 w3 w4 w5"}
         reference: dict[str, tuple[str, int]] = {}
         # The first request starts each engine; the answer is the engine's own.
         for name in ("llama-a", "llama-b", "llama-c"):
@@ -189,10 +214,12 @@ def test_router_serves_four_models_and_sleeps_and_wakes_them(
         chat = client.chat.completions.create(
             model="llama-a", messages=[{"role": "user", "content": "the quick brown fox"}],
             max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-        direct = openai.OpenAI(base_url=f"http://127.0.0.1:{_status(base)['llama-a']['port']}"
-                               "/v1", api_key="unused").chat.completions.create(
-            model="llama-a", messages=[{"role": "user", "content": "the quick brown fox"}],
-            max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        with held_awake("llama-a"):
+            direct = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{_status(base)['llama-a']['port']}/v1",
+                api_key="unused").chat.completions.create(
+                model="llama-a", messages=[{"role": "user", "content": "the quick brown fox"}],
+                max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
         assert chat.choices[0].message.content == direct.choices[0].message.content
         pieces = [c.choices[0].text for c in client.completions.create(
             model="llama-b", prompt=prompts["llama-b"], max_tokens=12, temperature=0,
