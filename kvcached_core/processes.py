@@ -11,6 +11,8 @@ from pathlib import Path
 
 # The owner, its engine process, the server, a launcher: deeper trees are not engines' own.
 ANCESTORS_SEARCHED = 4
+# /proc states of a process that has exited: a zombie (not yet reaped) or dead.
+_EXITED = ("Z", "X")
 
 
 def _stat_after_name(pid: int) -> list[str]:
@@ -33,7 +35,8 @@ def has_exited(pid: int) -> bool:
     """The process is gone or a zombie. A zombie holds no memory and runs no code, but its pid
     answers signals until its parent reaps it; an orphan's parent (the container's first
     process, often a shell) may never reap it, so a zombie counts as exited."""
-    return state_of(pid) in ("", "Z", "X")
+    state = state_of(pid)
+    return not state or state in _EXITED
 
 
 def group_members(group: int) -> list[int]:
@@ -41,7 +44,7 @@ def group_members(group: int) -> list[int]:
     members = []
     for entry in Path("/proc").iterdir():
         fields = _stat_after_name(int(entry.name)) if entry.name.isdigit() else []
-        if fields and int(fields[2]) == group and fields[0] not in ("Z", "X"):
+        if fields and int(fields[2]) == group and fields[0] not in _EXITED:
             members.append(int(entry.name))
     return members
 

@@ -263,8 +263,6 @@ for key, job in jobs.items():
             os.dup2(out, 1)
             os.dup2(out, 2)
             signal.alarm(job["timeout_s"])  # a hung variant dies; the others still run
-            for name in job["unset"]:
-                os.environ.pop(name, None)
             os.environ.update(job["env"])
             exec(compile(job["script"], "<kv-views>", "exec"), {"__name__": "__main__"})
             code = 0
@@ -301,27 +299,31 @@ def run_variants(cell: Cell, tree: Path, script: str, where: Path,
         "KVCACHED_PAGE_SIZE": str(32 << 10), "KVCACHED_MIN_RESERVED_PAGES": "0",
         "KVCACHED_MAX_RESERVED_PAGES": "0", "KVCACHED_PREALLOC": "0", **extra_env,
     })
+    # The parent's environment has no VLLM_KV_CACHE_LAYOUT (no VLLM_ setting passes above):
+    # a variant without one runs with vLLM's own choice.
     jobs = {}
+    variants = {}
     for backend, (module, cls, layout) in sorted(BACKENDS.items()):
         for kv_layout in KV_LAYOUTS:
-            key = f"{backend}/{kv_layout}"
-            shm = where / key.replace("/", "-")
+            key = f"{backend}-{kv_layout}"
+            variants[key] = (backend, kv_layout)
+            shm = where / key
             shm.mkdir(parents=True)
             variant = {"KVCACHED_LAYOUT": kv_layout, "KVCACHED_SHM_DIR": str(shm),
                        "KVCACHED_POOL_NAME": f"kvviews-{os.getpid()}-{len(jobs)}",
                        "KV_BACKEND_MODULE": module, "KV_BACKEND_CLASS": cls}
             if layout:
                 variant["VLLM_KV_CACHE_LAYOUT"] = layout
-            jobs[key] = {"env": variant, "unset": [] if layout else ["VLLM_KV_CACHE_LAYOUT"],
-                         "script": script, "out": str(shm / "output.txt"), "timeout_s": 300}
+            jobs[key] = {"env": variant, "script": script, "out": str(shm / "output.txt"),
+                         "timeout_s": 300}
     (where / "jobs.json").write_text(json.dumps(jobs), encoding="utf-8")
     done = subprocess.run([str(python), "-c", VARIANT_DRIVER, str(where / "jobs.json"),
                            str(where / "statuses.json")], env=env, capture_output=True,
                           text=True, timeout=1800, cwd=where)
     assert done.returncode == 0, done.stderr[-4000:]
     statuses = json.loads((where / "statuses.json").read_text(encoding="utf-8"))
-    return {tuple(key.split("/")): VariantResult(  # type: ignore[misc]
-                statuses[key], Path(job["out"]).read_text(errors="replace"))
+    return {variants[key]: VariantResult(statuses[key],
+                                         Path(job["out"]).read_text(errors="replace"))
             for key, job in jobs.items()}
 
 

@@ -183,15 +183,10 @@ def test_router_serves_four_models_and_sleeps_and_wakes_them(
 
         def ask(name: str, prompt: str, max_tokens: int = 12, *,
                 direct_port: int | None = None) -> tuple[str, int]:
-            if direct_port is not None:
-                with held_awake(name):
-                    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{direct_port}/v1",
-                                           api_key="unused", timeout=300)
-                    answer = direct.completions.create(
-                        model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                        extra_body={"ignore_eos": True})
-            else:
-                answer = client.completions.create(
+            target = client if direct_port is None else openai.OpenAI(
+                base_url=f"http://127.0.0.1:{direct_port}/v1", api_key="unused", timeout=300)
+            with held_awake(name) if direct_port is not None else contextlib.nullcontext():
+                answer = target.completions.create(
                     model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
                     extra_body={"ignore_eos": True})
             assert answer.usage is not None

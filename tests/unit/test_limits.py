@@ -31,6 +31,7 @@ from kvcached_core.limits import (
     set_limit,
     shm_dir,
 )
+from kvcached_core.processes import state_of
 
 GIB = 1 << 30
 
@@ -93,7 +94,7 @@ def test_a_record_whose_owner_is_a_zombie_is_stale_and_collected(tmp_path: Path)
     # A killed owner that nobody has reaped yet still answers signals: it holds no pages.
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
-    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while state_of(child.pid) != "Z":
         assert time.monotonic() < deadline, "the child did not exit"
         time.sleep(0.01)
     segment = LimitSegment.create("zombie", capacity_bytes=GIB, directory=tmp_path)

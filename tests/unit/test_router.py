@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from kvcached_core.budget import read_budget
+from kvcached_core.limits import scan_records
+from kvcached_core.processes import group_members
 from kvcached_core.router.cli import main as kvrouter_main
 from kvcached_core.router.config import (
     DeviceSpec,
@@ -383,13 +385,12 @@ def test_an_engine_that_died_is_cleaned_up_and_started_again_by_the_next_request
 
 # The server's child owns a pool (as SGLang's scheduler does) and outlives SIGTERM.
 _SERVER_WITH_A_POOL_OWNING_CHILD = """
-import signal, subprocess, sys, time
+import subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", '''
 import signal, sys, time
 from kvcached_core.limits import LimitSegment
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 segment = LimitSegment.create("scheduler-pool", capacity_bytes=1 << 20, directory=sys.argv[1])
-print("ready", flush=True)
 time.sleep(600)
 ''', sys.argv[1]])
 child.wait()
@@ -397,9 +398,6 @@ child.wait()
 
 
 def test_stopping_an_engine_leaves_no_record_of_its_childrens_pools(tmp_path: Path) -> None:
-    from kvcached_core.limits import scan_records
-    from kvcached_core.processes import group_members
-
     shm = tmp_path / "shm"
     shm.mkdir()
     config = parse_config(_document(_model("a"), shm_dir=str(shm)), tmp_path)
