@@ -42,7 +42,7 @@ from codemods.sglang.model_runner_sizing import (
 from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
 from codemods.sglang.pool_mha_inline import ElasticMHAInlineBuffersPool
 from codemods.sglang.pool_mla import ElasticMLAPool
-from codemods.sglang.pool_mla_inline import RefuseInlineMLAPool
+from codemods.sglang.pool_mla_inline import ElasticInlineMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
 from codemods.sglang.prefix_cache_bound_tree import BoundRadixTreeOnFinishedRequest
 from codemods.sglang.profile_max_num_token import (
@@ -70,6 +70,7 @@ from codemods.vllm import kv_buffers as _vllm_kv_buffers
 from codemods.vllm import kv_buffers_attn_groups as _vllm_kv_buffers_attn_groups
 from codemods.vllm import kv_buffers_shared_helper as _vllm_kv_buffers_shared_helper
 from codemods.vllm import kv_plan as _vllm_kv_plan
+from codemods.vllm import kv_plan_older as _vllm_kv_plan_older
 from codemods.vllm import startup_memory as _vllm_startup_memory
 
 # --- the seams every build of an engine must cover -----------------------------------------
@@ -87,10 +88,10 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("vllm", "step-end-release"),
     RequiredSeam("vllm", "shutdown"),
     RequiredSeam("vllm", "kv-budget"),
-    RequiredSeam("vllm", "engine-executor", ">=0.32",
+    RequiredSeam("vllm", "engine-executor", ">=0.29",
                  note="the Ray executor's workers are reached through the executor's own RPC "
-                      "(proven on the CPU engine from 0.32, the newest cell with a CPU build); "
-                      "older cells refuse the Ray executor at start"),
+                      "(proven on the CPU engine, 0.29 - 0.32); older cells refuse the Ray "
+                      "executor at start"),
     RequiredSeam("vllm", "startup-free-memory",
                  note="the GPU worker refuses to start when free memory is below its share"),
     RequiredSeam("vllm", "memory-profile-check",
@@ -182,7 +183,7 @@ CODEMODS: list[CodemodDeclaration] = [
 # EvictParams; 0.5.6 - 0.5.8 return early from it and evict by token count.
 _SGLANG_CELLS = ">=0.5.9,<0.5.24"
 _SGLANG_MLA_CREATE_BUFFERS = ">=0.5.6,<0.5.24"
-# Up to 0.5.5 the MLA pool allocates its latent buffers in __init__ (refused when elastic) and
+# Up to 0.5.5 the MLA pool allocates its latent buffers in __init__ (moved to _create_buffers) and
 # each radix tree releases a finished request in its own cache_finished_req (no
 # release_kv_cache in mem_cache/common.py).
 _SGLANG_INLINE_MLA = ">=0.4.10,<0.5.6"
@@ -527,22 +528,23 @@ CODEMODS += [
         last_update=_SGLANG_DATE,
     ),
     CodemodDeclaration(
-        id="sglang-mla-pool-refused-inline",
+        id="sglang-mla-pool-inline",
         seam="mla-pool",
         engine="sglang",
         versions=_SGLANG_INLINE_MLA,
-        anchor="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.__init__ (assigns "
-               "self.kv_buffer; no _create_buffers)",
+        anchor="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.__init__ (its one "
+               "memory_saver_adapter.region statement assigns self.kv_buffer; no "
+               "_create_buffers)",
         targets=("{package}/srt/mem_cache/memory_pool.py",),
         expected_hits=1,
-        why="Up to 0.5.5 the MLA pool allocates its latent buffers inside __init__, where no "
-            "method can place them in VMM-backed memory; an elastic engine must stop with "
-            "one line when such a pool is built, before it allocates, rather than run with "
-            "KV memory that is not elastic.",
+        why="Up to 0.5.5 the MLA pool allocates its latent buffers inside __init__; moved into "
+            "_create_buffers as 0.5.6 has it, they are views of VMM-backed tensors like the "
+            "later releases' (the same mixin), and the pointer table __init__ builds next "
+            "describes them.",
         retire_when="The oldest SGLang cell has MLATokenToKVPool._create_buffers (0.5.6).",
-        codemod=RefuseInlineMLAPool,
+        codemod=ElasticInlineMLAPool,
         forwarded="not-needed",
-        last_update=_SGLANG_055_DATE,
+        last_update="2026-12-07",
     ),
     CodemodDeclaration(
         id="sglang-kv-budget",
@@ -1130,7 +1132,7 @@ CODEMODS += [
         id="vllm-engine-executor",
         seam="engine-executor",
         engine="vllm",
-        versions=">=0.32,<0.35",
+        versions=">=0.29,<0.35",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches (decorator)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=1,
@@ -1162,11 +1164,14 @@ CODEMODS += [
         forwarded="not-needed",
         last_update=_VLLM_REVIEWED,
     ),
+    # vLLM 0.27 - 0.28 have a CPU build and 0.29's shape of _initialize_kv_caches: the variant
+    # that plans them as 0.29+ (kv_plan_older.KVBudgetPlannedByScaling, transform and runtime
+    # tested) is declared for them once their verify records pass with it.
     CodemodDeclaration(
         id="vllm-kv-budget-user-bytes",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.10.2,<0.32",
+        versions=">=0.10.2,<0.29",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
         targets=("{package}/v1/engine/core.py",),
@@ -1177,6 +1182,24 @@ CODEMODS += [
         codemod=_vllm_engine_core.KVCacheBudgetWithUserBytes,
         forwarded="no",
         last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-kv-budget-planned-groups",
+        seam="kv-budget",
+        engine="vllm",
+        versions=">=0.29,<0.32",
+        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
+               "self.model_executor.determine_available_memory() and "
+               "self.model_executor.initialize_from_config(kv_cache_configs)",
+        targets=("{package}/v1/engine/core.py",),
+        expected_hits=2,
+        why="As vllm-kv-budget-planned; these releases' bytes-per-block helper "
+            "(kv_cache_utils._pool_bytes_per_block) takes the KV cache groups only.",
+        retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
+                    "the virtual size through it).",
+        codemod=_vllm_kv_plan_older.KVBudgetPlannedForGroups,
+        forwarded="no",
+        last_update="2026-12-07",
     ),
     CodemodDeclaration(
         id="vllm-kv-budget-planned",

@@ -61,22 +61,24 @@ def proof_registry() -> Registry:
 
 
 def selected_cells(config: pytest.Config, engine: str,
-                   needs_transforms: Iterable[str] = ()) -> list[Cell]:
+                   needs_transforms: Iterable[str | tuple[str, ...]] = ()) -> list[Cell]:
     """The cells of `engine` that `--cell` selects (all when none is given).
 
     `needs_transforms` narrows them to cells whose transform set holds every one of those
-    transform ids (a test of one transform variant runs where that variant applies).
-    An unknown cell name is an error that lists the known ones.
+    transform ids (a test of one transform variant runs where that variant applies); an
+    entry that is a tuple of ids is met by any one of them (the variants of one seam whose
+    behaviour the test proves). An unknown cell name is an error that lists the known ones.
     """
     matrix = load_matrix(proof_matrix_path())
     wanted = config.getoption("--cell")
     cells = [matrix.get_cell(name) for name in wanted] if wanted else list(matrix.cells)
     cells = [cell for cell in cells if cell.engine == engine]
-    needed = set(needs_transforms)
+    needed = [(need,) if isinstance(need, str) else tuple(need) for need in needs_transforms]
     if needed:
         registry = proof_registry()
         cells = [cell for cell in cells
-                 if needed <= {t.id for t in select_transforms(registry, cell)}]
+                 if all(set(variants) & {t.id for t in select_transforms(registry, cell)}
+                        for variants in needed)]
     return cells
 
 

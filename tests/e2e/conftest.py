@@ -67,7 +67,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     missing = [why for why in map(cpu_engine_missing, selected) if why is not None]
     if needs and not selected:
-        reason = f"no selected cell has {', '.join(needs)}"
+        named = [need if isinstance(need, str) else " or ".join(need) for need in needs]
+        reason = f"no selected cell has {', '.join(named)}"
     elif verify_only:
         reason = ("proven in each cell's verify-<cell> record (--heavy=all), not on every CI "
                   "run: docs/testing.md")

@@ -47,7 +47,7 @@ from codemods.sglang.model_runner_sizing import (
 from codemods.sglang.pool_mha import ElasticMHAPool, ElasticMHASeparateKVPool
 from codemods.sglang.pool_mha_inline import ElasticMHAInlineBuffersPool
 from codemods.sglang.pool_mla import ElasticMLAPool
-from codemods.sglang.pool_mla_inline import RefuseInlineMLAPool
+from codemods.sglang.pool_mla_inline import ElasticInlineMLAPool
 from codemods.sglang.prefix_cache_bound import BoundPrefixCacheOnRelease
 from codemods.sglang.prefix_cache_bound_tree import BoundRadixTreeOnFinishedRequest
 from codemods.sglang.profile_max_num_token import (
@@ -212,8 +212,8 @@ def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> N
         "return int(rest_memory * (1 << 30)) // cell_size",
         "return max(0, int(rest_memory * (1 << 30)) // cell_size)")),
     # the inline MLA pool (0.5.5) and the _create_buffers one (0.5.6 on) refuse each other
-    (RefuseInlineMLAPool, fixture("sglang-mla-pool")),
-    (ElasticMLAPool, fixture("sglang-mla-pool-refused-inline")),
+    (ElasticInlineMLAPool, fixture("sglang-mla-pool")),
+    (ElasticMLAPool, fixture("sglang-mla-pool-inline")),
     # ModelRunner's own sizing (0.5.5) and the KV mixin's (0.5.7 on) refuse each other
     (KVBudgetCapacityRunner, fixture("sglang-kv-budget-tokens")),
     (KVBudgetCapacityTokens, fixture("sglang-kv-budget-runner")),
@@ -270,7 +270,7 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (ElasticPagedAllocatorCountsItsPages, "sglang-paged-allocator-counts-its-pages"),
     (KVBudgetCapacityTokens, "sglang-kv-budget-tokens"),
     (ElasticKVProfileMemoryTokens, "sglang-kv-profile-free-memory-tokens"),
-    (RefuseInlineMLAPool, "sglang-mla-pool-refused-inline"),
+    (ElasticInlineMLAPool, "sglang-mla-pool-inline"),
     (KVBudgetCapacityRunner, "sglang-kv-budget-runner"),
     (ElasticKVProfileMemoryRunner, "sglang-kv-profile-free-memory-runner"),
     (RefuseUnsupportedAtRunnerInitMemoryPool, "sglang-refuse-unsupported-runner"),
@@ -324,6 +324,42 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
         body = fixture(transform_id).split(f"class {cls}", 1)[1].split("\nclass ", 1)[0]
         for name in codemod.REQUIRED_METHODS:
             assert f"def {name}(" in body, (transform_id, name)
+
+
+def test_inline_mla_allocation_moves_into_create_buffers_reading_only_kept_fields() -> None:
+    inline = fixture("sglang-mla-pool-inline")
+    # 0.4.10 - 0.5.2 read the LoRA rank and rope dims, kept as fields of the same name
+    older = inline.replace("(size + page_size, 1, self.kv_cache_dim)",
+                           "(size + page_size, 1, kv_lora_rank + qk_rope_head_dim)")
+    command, code = run(ElasticInlineMLAPool, older)
+    assert command.hits == 1
+    create = code.split("def _create_buffers(self):", 1)[1].split("def _clear_buffers", 1)[0]
+    assert "(self.size + self.page_size, 1, self.kv_lora_rank + self.qk_rope_head_dim)" in create
+    assert "device=self.device" in create and "range(self.layer_num)" in create
+    init = code.split("def __init__(", 1)[1].split("def _create_buffers", 1)[0]
+    assert "torch.zeros" not in init and "self._create_buffers()" in init
+    # ... the data pointers are still taken after the buffers exist
+    assert init.index("self._create_buffers()") < init.index("self.data_ptrs")
+    for changed in [
+            # a parameter the class keeps under another name: the method could not read it
+            older.replace("self.kv_lora_rank = kv_lora_rank", "self.lora = kv_lora_rank"),
+            # a local computed in __init__ before the allocation
+            inline.replace("        with self.memory_saver_adapter.region(",
+                           "        rows = size + page_size\n"
+                           "        with self.memory_saver_adapter.region(", 1)
+            .replace("(size + page_size, 1, self.kv_cache_dim)", "(rows, 1, self.kv_cache_dim)"),
+            # the buffers allocated outside the memory-saver region
+            inline.replace("with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):",
+                           "with nullcontext():"),
+            # a second region statement
+            inline.replace("        self.data_ptrs = torch.tensor(",
+                           "        with self.memory_saver_adapter.region(KV):\n"
+                           "            self.kv_buffer = []\n"
+                           "        self.data_ptrs = torch.tensor(", 1)]:
+        assert changed != inline and changed != older
+        command, code = run(ElasticInlineMLAPool, changed)
+        assert (command.hits, command.already_applied) == (0, 0)
+        assert code == textwrap.dedent(changed)
 
 
 def test_prefix_bound_needs_release_kv_cache() -> None:
@@ -405,7 +441,7 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
                                      "sglang-refuse-unsupported-runner-swa",
                                      "sglang-scheduler-capacity-retract-reads"}
     oldest = {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
-              "sglang-paged-allocator-counts-its-pages", "sglang-mla-pool-refused-inline",
+              "sglang-paged-allocator-counts-its-pages", "sglang-mla-pool-inline",
               "sglang-kv-budget-runner", "sglang-kv-profile-free-memory-runner",
               "sglang-refuse-unsupported-runner", "sglang-startup-free-memory-model-runner",
               "sglang-prefix-cache-bound-radix-tree", "sglang-scheduler-capacity-retract-reads"}

@@ -35,6 +35,7 @@ from codemods.vllm.kv_buffers_attn_groups import (
 )
 from codemods.vllm.kv_buffers_shared_helper import SharedKVBufferFromCaller
 from codemods.vllm.kv_plan import KVBudgetPlannedByBuilder, KVBudgetPlannedInWholePages
+from codemods.vllm.kv_plan_older import KVBudgetPlannedByScaling, KVBudgetPlannedForGroups
 from forge.registry import default_registry
 
 BUILD = BuildContext(
@@ -365,9 +366,32 @@ def test_kv_budget_is_sized_as_stock_and_the_workers_plan_is_whole_pages(
     assert_idempotent(codemod, code)
 
 
+@pytest.mark.parametrize(("codemod", "plan"), [
+    # 0.29 - 0.31: the planner of 0.32, whose bytes-per-block helper takes the groups only
+    (KVBudgetPlannedForGroups,
+     "plan=lambda groups, num_blocks: _kvcached_get_kv_cache_config_from_groups(vllm_config, "
+     "groups, num_blocks * _kvcached__pool_bytes_per_block(groups))"),
+    # 0.27 - 0.28: no planner call, kvcached scales the tensors as the release scales ranks
+    (KVBudgetPlannedByScaling, "plan=None"),
+])
+def test_older_kv_budget_plans_differ_from_0_32_in_the_plan_only(
+        codemod: type[HitCountingCodemod], plan: str) -> None:
+    # Their EngineCore._initialize_kv_caches has 0.32's shape (the same fixture).
+    hits, _, code = run(codemod, fixture("vllm-kv-budget-planned"))
+    assert hits == 2
+    assert f"kv_cache_configs_in_whole_pages(kv_cache_configs, vllm_config=vllm_config, {plan})" \
+        in code
+    assert "planned_in_whole_pages=True" in code
+    assert ("_kvcached_get_kv_cache_config_from_groups" in code) == (plan != "plan=None")
+    compile(code, "core.py", "exec")
+    assert_idempotent(codemod, code)
+
+
 @pytest.mark.parametrize(("codemod", "other_release"), [
     (KVBudgetPlannedInWholePages, "vllm-kv-budget-planned-builder"),
     (KVBudgetPlannedByBuilder, "vllm-kv-budget-planned"),
+    (KVBudgetPlannedForGroups, "vllm-kv-budget-planned-builder"),
+    (KVBudgetPlannedByScaling, "vllm-kv-budget-planned-builder"),
 ])
 def test_kv_budget_plan_variant_leaves_a_release_planning_elsewhere(
         codemod: type[HitCountingCodemod], other_release: str) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAMILY_TRANSFORMS = {
     "full attention (MHA pool)": {"sglang-mha-pool", "sglang-mha-pool-separate-kv",
                                   "sglang-mha-pool-inline-buffers"},
-    "MLA": {"sglang-mla-pool"},
+    "MLA": {"sglang-mla-pool", "sglang-mla-pool-inline"},
     "hybrid sliding window": {"sglang-swa-allocator"},
     "Mamba / linear attention": set(),
 }

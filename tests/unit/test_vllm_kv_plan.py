@@ -1,11 +1,15 @@
-"""vLLM 0.32+: the scheduler keeps stock vLLM's blocks, the workers' KV plan is whole pages.
+"""vLLM 0.29+: the scheduler keeps stock vLLM's blocks, the workers' KV plan is whole pages.
 
 `kv_cache_budget(..., planned_in_whole_pages=True)` leaves vLLM's bytes alone, so a small
 `kv_cache_memory_bytes` gives the scheduler exactly the blocks stock vLLM gives it (the same
 capacity, the same refusal). `kv_cache_configs_in_whole_pages` then re-plans each worker's
 config for the next block count whose layer regions are whole kvcached pages, through the
-planner the call site passes. Here the planner is a stand-in that lays layers out as vLLM's
-layer-outermost plan does; tests/contract/test_vllm_kv_plan.py runs the release's own.
+planner the call site passes or, where a release scales a rank's tensors with the block
+count instead (0.11 - 0.28: the variant `KVBudgetPlannedByScaling`, to be declared for 0.27 -
+0.28 once their verify records pass with it), by that scaling. Here the planner is a
+stand-in that lays layers out as vLLM's layer-outermost plan does;
+tests/contract/test_vllm_kv_plan.py runs the release's own, and
+tests/e2e/test_vllm_small_budget.py each CPU cell's engine.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class PlannedTensor:
 @dataclass
 class PlannedConfig:
     num_blocks: int
-    kv_cache_tensors: list[PlannedTensor]
+    kv_cache_tensors: list[Any]  # PlannedTensor (0.29 on) or LayerTensor (before)
     kv_cache_groups: list[str]
     kv_cache_layout: str | None = None
     hash_block_size: int | None = None
@@ -135,6 +139,44 @@ def test_a_worker_plan_of_stock_blocks_is_widened_to_whole_pages(elastic: str) -
     layers = raw.view(LAYERS, PAGE_BLOCKS, BLOCK)
     layers[:, :STOCK_BLOCKS].fill_(7)
     assert int(layers[:, :STOCK_BLOCKS].sum()) == 7 * LAYERS * STOCK_BLOCKS * BLOCK
+
+
+@dataclass
+class LayerTensor:
+    """A KVCacheTensor of vLLM 0.11 - 0.28: one layer's buffer of `num_blocks` blocks (or,
+    with a packed `block_stride`, the one backing of every layer, 0.24 - 0.28)."""
+
+    size: int
+    shared_by: list[str]
+    offset: int = 0
+    block_stride: int = 0
+
+
+def per_layer(num_blocks: int) -> PlannedConfig:
+    tensors = [LayerTensor(num_blocks * BLOCK, [f"layer.{i}"]) for i in range(LAYERS)]
+    return PlannedConfig(num_blocks, tensors, ["layers"])
+
+
+def test_a_release_that_scales_tensors_gets_them_scaled_to_whole_pages(elastic: str) -> None:
+    stock = per_layer(STOCK_BLOCKS)
+    [widened] = engine.kv_cache_configs_in_whole_pages([stock], vllm_config=VllmConfig(),
+                                                       plan=None)
+    # A layer's K and V planes are half a block each: whole pages of both take 1,024 blocks.
+    assert widened.num_blocks == 2 * PAGE_BLOCKS
+    assert [(t.size, t.shared_by) for t in widened.kv_cache_tensors] == [
+        (2 * PAGE_BLOCKS * BLOCK, [f"layer.{i}"]) for i in range(LAYERS)]
+    assert stock.num_blocks == STOCK_BLOCKS  # the scheduler's copy is vLLM's, untouched
+    assert {t.size for t in stock.kv_cache_tensors} == {STOCK_BLOCKS * BLOCK}
+    # The one packed backing is one region, which the buffer site pads itself.
+    backing = LayerTensor(STOCK_BLOCKS * LAYERS * BLOCK, ["layer.0"], 0, LAYERS * BLOCK)
+    packed = PlannedConfig(STOCK_BLOCKS, [backing], ["layers"])
+    assert engine.kv_cache_configs_in_whole_pages([packed], vllm_config=VllmConfig(),
+                                                  plan=None) == [packed]
+    # A tensor that is not whole blocks cannot be scaled: refused, not guessed.
+    odd = per_layer(STOCK_BLOCKS)
+    odd.kv_cache_tensors[3].size += 1
+    with pytest.raises(KVCachedConfigError, match="not 32 whole blocks"):
+        engine.kv_cache_configs_in_whole_pages([odd], vllm_config=VllmConfig(), plan=None)
 
 
 def test_a_plan_already_in_whole_pages_or_blocks_first_is_handed_on_as_it_is(

@@ -245,7 +245,8 @@ class ElasticMHAInlineBuffersPoolMixin(ElasticMHASeparateKVPoolMixin):
 
 
 class ElasticMLAPoolMixin:
-    """MLATokenToKVPool whose per-layer latent buffer is a view of a VMM-backed tensor."""
+    """MLATokenToKVPool whose per-layer latent buffer is a view of a VMM-backed tensor (up to
+    0.5.5 the build moved the release's inline allocation into ``_create_buffers`` first)."""
 
     kvcached_pool: KVPool | None = None
 
@@ -253,9 +254,18 @@ class ElasticMLAPoolMixin:
         pool: Any = self
         refuse_unless_leaf(self, "MLA pool")
         _refuse_unless_plain(pool, "an elastic MLA pool")
+        if "float4" in str(pool.dtype):
+            # Up to 0.5.5 the pool itself allocates an FP4 cache (half-width latent plus
+            # scale buffers), which these views do not describe; later releases give FP4 a
+            # subclass of its own, refused as any subclass is.
+            raise KVCachedConfigError(
+                "kvcached: the FP4 KV cache (--kv-cache-dtype fp4_e2m1) is not supported with "
+                "elastic pools; set KVCACHED_ENABLE=0 for it"
+            )
         rows = pool.size + pool.page_size
         store_dtype: torch.dtype = pool.store_dtype
-        dim = pool.kv_cache_dim
+        # Releases before 0.5.3 keep no kv_cache_dim: the latent is the LoRA rank plus rope.
+        dim = getattr(pool, "kv_cache_dim", None) or pool.kv_lora_rank + pool.qk_rope_head_dim
         kv_pool, region_rows = create_kv_pool(
             kind="mla", device=str(pool.device), num_layers=pool.layer_num, num_buffers=1,
             page_tokens=pool.page_size, token_bytes=dim * store_dtype.itemsize, rows=rows,
@@ -269,19 +279,6 @@ class ElasticMLAPoolMixin:
     def _clear_buffers(self) -> None:
         super()._clear_buffers()  # type: ignore[misc]
         close_kv_pool(self)
-
-
-class RefuseInlineMLAPoolMixin:
-    """MLATokenToKVPool of a release that allocates its latent buffers inside ``__init__`` (up
-    to 0.5.5): they cannot be placed without copying the constructor, so an elastic engine
-    stops here, before anything is allocated."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise KVCachedConfigError(
-            "kvcached: MLA models are not supported with elastic KV memory on this SGLang "
-            "release (MLATokenToKVPool allocates its buffers in its constructor); set "
-            "KVCACHED_ENABLE=0, or use an SGLang release from 0.5.10"
-        )
 
 
 def close_kv_pool(sglang_pool: object) -> None:

@@ -154,7 +154,7 @@ def kv_cache_budget(
 
 
 def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
-                                    plan: Callable[[Any, int], Any]) -> list[Any]:
+                                    plan: Callable[[Any, int], Any] | None) -> list[Any]:
     """The workers' KV cache configs, each re-planned to a block count whose KV buffers are
     whole kvcached pages (the call vLLM's `initialize_from_config` is given).
 
@@ -162,11 +162,14 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
     copy, taken before this call, keeps that block count: the same capacity, the same
     refusal when the model's longest sequence does not fit, the same fitted
     `max_model_len`). A layer-outermost buffer puts layer `l` at `l * num_blocks * block`
-    bytes, so unless `num_blocks` is a multiple of the blocks of a page the layers do not
-    start on pages, and one pool cannot back them page by page. Each worker's config is
-    therefore planned again, by vLLM's own planner (`plan(groups, num_blocks)`, the call
-    vLLM makes itself to re-plan ranks to one block count), for the next multiple: the
-    extra blocks are address space the scheduler never hands out, mapped never.
+    bytes (and a per-layer buffer puts its V plane at `num_blocks * block / 2`), so unless
+    `num_blocks` is a multiple of the blocks of a page the regions do not start on pages,
+    and one pool cannot back them page by page. Each worker's config is therefore planned
+    again for the next multiple the way the release re-plans a rank for another block count
+    itself: by its planner (`plan(groups, num_blocks)`, vLLM 0.29 and later) or, where the
+    release scales each KVCacheTensor's size with the block count instead (`plan=None`, vLLM
+    0.11 - 0.28, whose workers lay a buffer out from its size), by that scaling. The extra
+    blocks are address space the scheduler never hands out, mapped never.
     `num_gpu_blocks_override` is the scheduler's figure, so it is set aside while planning.
     """
     settings = engine_settings()
@@ -174,7 +177,7 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
         return configs
     planned = []
     for config in configs:
-        quantum = _whole_page_blocks(config.kv_cache_tensors, settings.page_size)
+        quantum = _whole_page_blocks(config, settings.page_size)
         blocks = int(config.num_blocks)
         wanted = -(-blocks // quantum) * quantum
         if wanted == blocks:
@@ -184,7 +187,8 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
         override = cache_config.num_gpu_blocks_override
         cache_config.num_gpu_blocks_override = None
         try:
-            widened = plan(config.kv_cache_groups, wanted)
+            widened = (_scaled_config(config, wanted) if plan is None
+                       else plan(config.kv_cache_groups, wanted))
         finally:
             cache_config.num_gpu_blocks_override = override
         if int(widened.num_blocks) != wanted:
@@ -201,17 +205,44 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
     return planned
 
 
-def _whole_page_blocks(tensors: Iterable[Any], page_size: int) -> int:
-    """The fewest blocks that make every layer-outermost region of `tensors` whole pages.
+def _scaled_config(config: Any, num_blocks: int) -> Any:
+    """`config` for `num_blocks` blocks, every KVCacheTensor's size scaled with the block
+    count: how vLLM 0.11 - 0.28 bring a rank to another block count (`get_kv_cache_configs`),
+    which holds because every tensor of theirs is `num_blocks` times a block's bytes."""
+    blocks = int(config.num_blocks)
+    tensors = []
+    for tensor in config.kv_cache_tensors:
+        size = int(tensor.size)
+        if size % blocks:
+            raise KVCachedConfigError(
+                f"a KV cache tensor of {size} bytes is not {blocks} whole blocks: kvcached "
+                "cannot plan it for whole pages; set KVCACHED_ENABLE=0")
+        tensors.append(dataclasses.replace(tensor, size=size // blocks * num_blocks))
+    return dataclasses.replace(config, num_blocks=num_blocks, kv_cache_tensors=tensors)
 
-    A KVCacheTensor whose layer stride exceeds its block stride gives each layer its own
-    region of `num_blocks * block_stride` bytes (`kv_buffers.shared_geometry`); a
-    block-outermost one is one region, which `shared_kv_buffer` pads to whole pages itself.
+
+def _whole_page_blocks(config: Any, page_size: int) -> int:
+    """The fewest blocks that make every region of `config`'s KV buffers whole pages.
+
+    vLLM >= 0.29: a KVCacheTensor whose layer stride exceeds its block stride gives each
+    layer its own region of `num_blocks * block_stride` bytes (`kv_buffers.shared_geometry`);
+    a block-outermost one is one region, which `shared_kv_buffer` pads to whole pages itself.
+    Before: a tensor is one layer's buffer of `num_blocks` blocks, in one region or a K and a
+    V plane (`aligned_blocks_quantum`), or with a packed block stride (vLLM 0.24 - 0.28) the
+    one backing of every layer, one region `kv_tensor_buffer` pads itself.
     """
-    quanta = [choose_block_tiling(int(t.block_stride), page_size).quantum_blocks
-              for t in tensors
-              if int(t.layer_stride) > int(t.block_stride) and not getattr(t, "host_resident",
-                                                                               False)]
+    blocks = int(config.num_blocks)
+    quanta = []
+    for tensor in config.kv_cache_tensors:
+        if getattr(tensor, "host_resident", False):
+            continue
+        layer_stride = getattr(tensor, "layer_stride", None)
+        block_stride = int(getattr(tensor, "block_stride", 0))
+        if layer_stride is not None:
+            if int(layer_stride) > block_stride:
+                quanta.append(choose_block_tiling(block_stride, page_size).quantum_blocks)
+        elif not block_stride:
+            quanta.append(aligned_blocks_quantum([int(tensor.size) // blocks], page_size))
     return math.lcm(*quanta) if quanta else 1
 
 

@@ -6,13 +6,18 @@ import inspect
 
 import pytest
 import torch
-from conftest import DIM, HEADS, LAYERS, make_mha_pool, make_mla_pool, make_token_allocator
+from conftest import (
+    DIM,
+    HEADS,
+    LAYERS,
+    make_mha_pool,
+    make_mla_pool,
+    make_token_allocator,
+    mapped_pages,
+)
 
 from kvcached_core.errors import KVCachedConfigError
-from kvcached_core.integration.sglang.pools import (
-    ElasticMHAInlineBuffersPoolMixin,
-    RefuseInlineMLAPoolMixin,
-)
+from kvcached_core.integration.sglang.pools import ElasticMHAInlineBuffersPoolMixin
 
 
 def releases_own(elastic: type) -> type:
@@ -84,21 +89,40 @@ def test_mha_set_and_get_through_sglang() -> None:
 
 
 def test_mla_buffers_keep_the_stock_shape() -> None:
-    from sglang.srt.mem_cache.memory_pool import ElasticMLATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import ElasticMLATokenToKVPool, MLATokenToKVPool
 
-    if issubclass(ElasticMLATokenToKVPool, RefuseInlineMLAPoolMixin):
-        # Up to 0.5.5 the build refuses MLA pools with elastic memory (their constructor
-        # allocates the buffers): refused before anything is allocated.
-        with pytest.raises(KVCachedConfigError, match="MLA models are not supported"):
-            make_mla_pool(1023)
-        return
+    assert MLATokenToKVPool is ElasticMLATokenToKVPool
     pool = make_mla_pool(1023)
+    # The release's own class (up to 0.5.5 with its inline allocation moved, by the build,
+    # into the _create_buffers that 0.5.6 introduced) builds the stock buffers.
     stock = make_mla_pool(1023, cls=releases_own(ElasticMLATokenToKVPool))
+    assert getattr(stock, "kvcached_pool", None) is None
     assert [(b.shape, b.stride(), b.dtype) for b in pool.kv_buffer] == \
         [(b.shape, b.stride(), b.dtype) for b in stock.kv_buffer]
     for buffer in pool.kv_buffer:
         assert buffer.shape == (1024, 1, 32) and buffer.stride() == (32, 32, 1)
+    # The table __init__ builds after the buffers (SGLang's copy kernels read it).
     assert pool.data_ptrs.tolist() == [b.data_ptr() for b in pool.kv_buffer]
+
+
+def test_mla_latent_memory_follows_the_allocator() -> None:
+    pool = make_mla_pool(1023)
+    allocator = make_token_allocator(1023, pool)
+    pool.kvcached_pool.trim()  # drop the warm reserve: count only what blocks hold
+    idle = mapped_pages(pool)
+    pointers = [b.data_ptr() for b in pool.kv_buffer]
+    loc = allocator.alloc(300)
+    assert mapped_pages(pool) > idle
+    latent = torch.randn(300, 1, 32, dtype=torch.bfloat16)
+    for layer_id in range(LAYERS):
+        pool.get_key_buffer(layer_id)[loc] = latent + layer_id
+    for layer_id in range(LAYERS):
+        assert torch.equal(pool.get_key_buffer(layer_id)[loc], latent + layer_id)
+    allocator.free(loc)
+    pool.kvcached_pool.trim()
+    assert mapped_pages(pool) == idle
+    # Freed memory is unmapped; the buffers stay where they were.
+    assert [b.data_ptr() for b in pool.kv_buffer] == pointers
 
 
 def test_unsupported_pool_configurations_are_refused() -> None:
@@ -118,6 +142,16 @@ def test_unsupported_pool_configurations_are_refused() -> None:
             MHATokenToKVPool(size=64, page_size=1, dtype=torch.float4_e2m1fn_x2,
                              head_num=HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
                              enable_memory_saver=False)
+    from sglang.srt.mem_cache.memory_pool import ElasticMLATokenToKVPool, MLATokenToKVPool
+
+    if "kv_scale_buffer" in inspect.getsource(
+            releases_own(ElasticMLATokenToKVPool)._create_buffers):
+        # 0.5.5.post3's MLA pool allocates an FP4 cache itself as well (later releases give
+        # FP4 a subclass of its own, refused as every subclass is)
+        with pytest.raises(KVCachedConfigError, match="FP4"):
+            MLATokenToKVPool(size=64, page_size=1, dtype=torch.float4_e2m1fn_x2,
+                             kv_lora_rank=16, qk_rope_head_dim=16, layer_num=LAYERS,
+                             device="cpu", enable_memory_saver=False)
     if "v_head_dim" in parameters:  # a V head dim of its own exists from 0.5.6
         with pytest.raises(KVCachedConfigError, match="equal K and V"):
             MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
