@@ -88,9 +88,9 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("vllm", "step-end-release"),
     RequiredSeam("vllm", "shutdown"),
     RequiredSeam("vllm", "kv-budget"),
-    RequiredSeam("vllm", "engine-executor", ">=0.29",
+    RequiredSeam("vllm", "engine-executor", ">=0.27",
                  note="the Ray executor's workers are reached through the executor's own RPC "
-                      "(proven on the CPU engine, 0.29 - 0.32); older cells refuse the Ray "
+                      "(proven on the CPU engine, 0.27 - 0.32); older cells refuse the Ray "
                       "executor at start"),
     RequiredSeam("vllm", "startup-free-memory",
                  note="the GPU worker refuses to start when free memory is below its share"),
@@ -1132,7 +1132,7 @@ CODEMODS += [
         id="vllm-engine-executor",
         seam="engine-executor",
         engine="vllm",
-        versions=">=0.29,<0.35",
+        versions=">=0.27,<0.35",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches (decorator)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=1,
@@ -1164,14 +1164,11 @@ CODEMODS += [
         forwarded="not-needed",
         last_update=_VLLM_REVIEWED,
     ),
-    # vLLM 0.27 - 0.28 have a CPU build and 0.29's shape of _initialize_kv_caches: the variant
-    # that plans them as 0.29+ (kv_plan_older.KVBudgetPlannedByScaling, transform and runtime
-    # tested) is declared for them once their verify records pass with it.
     CodemodDeclaration(
         id="vllm-kv-budget-user-bytes",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.10.2,<0.29",
+        versions=">=0.10.2,<0.24",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
         targets=("{package}/v1/engine/core.py",),
@@ -1182,6 +1179,24 @@ CODEMODS += [
         codemod=_vllm_engine_core.KVCacheBudgetWithUserBytes,
         forwarded="no",
         last_update=_VLLM_REVIEWED,
+    ),
+    CodemodDeclaration(
+        id="vllm-kv-budget-planned-scaled",
+        seam="kv-budget",
+        engine="vllm",
+        versions=">=0.24,<0.29",
+        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
+               "self.model_executor.determine_available_memory() and "
+               "self.model_executor.initialize_from_config(kv_cache_configs)",
+        targets=("{package}/v1/engine/core.py",),
+        expected_hits=2,
+        why="As vllm-kv-budget-planned; these releases have no bytes-per-block helper to plan "
+            "with, so each rank's KV tensors are scaled to whole kvcached pages as the release "
+            "itself scales ranks to a common block count.",
+        retire_when="Never for this range: the planning helper arrived in 0.29.",
+        codemod=_vllm_kv_plan_older.KVBudgetPlannedByScaling,
+        forwarded="not-needed",
+        last_update="2026-12-07",
     ),
     CodemodDeclaration(
         id="vllm-kv-budget-planned-groups",

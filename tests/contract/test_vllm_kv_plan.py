@@ -1,4 +1,5 @@
-"""The kv-budget seam of vLLM 0.32+ on the release's own EngineCore (patched sdist tree).
+"""The kv-budget seam on the release's own EngineCore (patched sdist tree): vLLM 0.32+, which
+plan a worker through the release's planner, and 0.24 - 0.28, which scale its tensors.
 
 The patched `EngineCore._initialize_kv_caches` runs on a stand-in core whose executor reports a
 16-layer model's KV specs and layouts, and stops at `initialize_from_config`, where it keeps
@@ -7,6 +8,7 @@ blocks, the elastic engine must plan what stock vLLM plans (the release's own si
 `KVCACHED_ENABLE=0` as the anchor): the same scheduler blocks, the same refusal when the longest
 sequence does not fit. Its workers must get the release's own plan for the next whole-page block
 count: every layer region whole pages, the layout and every other field the release set kept.
+Releases before 0.29 have no layouts to choose from: each layer gets a tensor of its own.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class Executor:
 
 
 class Core:
-    pass
+    def collective_rpc(self, *args, **kwargs):  # an auto-fitted max_model_len goes nowhere
+        return None
 
 
 def plan(layout, budget, max_model_len):
@@ -91,8 +94,11 @@ def plan(layout, budget, max_model_len):
         "scheduler_blocks": vllm_config.cache_config.num_gpu_blocks,
         "max_model_len": vllm_config.model_config.max_model_len,
         "worker_blocks": config.num_blocks,
-        "layout": config.kv_cache_layout,
-        "tensors": [[t.size, len(t.layers), t.layer_stride, t.block_stride, t.offset]
+        "layout": getattr(config, "kv_cache_layout", None),  # 0.32+
+        # Before 0.29 a tensor names its layers `shared_by` and has no layer stride.
+        "tensors": [[t.size, len(getattr(t, "layers", None) or t.shared_by),
+                     getattr(t, "layer_stride", None), getattr(t, "block_stride", 0),
+                     getattr(t, "offset", 0)]
                     for t in config.kv_cache_tensors],
     }}
 
@@ -109,11 +115,20 @@ CASES = {
 }
 
 
-def plans(cell: Cell, tree: Path, where: Path, *, enable: str) -> dict[str, dict[str, object]]:
-    """The plans of CASES on the patched release, elastic (`enable` "1") or stock ("0")."""
+# vLLM 0.24 - 0.28: no layout to choose (the executor's answer is never asked for).
+SCALED_CASES = {
+    "per-layer": (None, BUDGET, 256),
+    "too-small": (None, SMALL, 1024),
+}
+
+
+def plans(cell: Cell, tree: Path, where: Path, *, enable: str,
+          cases: dict[str, tuple[str | None, int, int]] = CASES
+          ) -> dict[str, dict[str, object]]:
+    """The plans of `cases` on the patched release, elastic (`enable` "1") or stock ("0")."""
     where.mkdir()
     script = SCRIPT.format(hf_home=str(build_fake_hf_home(where / "hf")), enable=enable,
-                           contract_dir=str(Path(__file__).resolve().parent), cases=CASES)
+                           contract_dir=str(Path(__file__).resolve().parent), cases=cases)
     done = run_on_patched_tree(contract_venv(cell), tree, script, where)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -153,3 +168,28 @@ def test_the_scheduler_plans_as_stock_and_the_workers_get_whole_pages(
 def test_the_builder_plans_as_stock_and_the_workers_get_whole_pages(
         cell: Cell, tmp_path: Path) -> None:
     check_plan(cell, tmp_path)
+
+
+@pytest.mark.cell_needs("vllm-kv-budget-planned-scaled")
+def test_the_scheduler_keeps_stock_blocks_and_the_workers_tensors_scale_to_whole_pages(
+        cell: Cell, tmp_path: Path) -> None:
+    tree = unpacked_sdist(cell, tmp_path)
+    tree_workspace(tree, patched=True, cell=cell)
+    stock = plans(cell, tree, tmp_path / "stock", enable="0", cases=SCALED_CASES)
+    elastic = plans(cell, tree, tmp_path / "elastic", enable="1", cases=SCALED_CASES)
+    stock_pl, elastic_pl = stock["per-layer"], elastic["per-layer"]
+    assert stock_pl["scheduler_blocks"] == stock_pl["worker_blocks"] == BUDGET // (16 * BLOCK)
+    assert elastic_pl["scheduler_blocks"] == stock_pl["scheduler_blocks"], (stock, elastic)
+    assert elastic_pl["max_model_len"] == stock_pl["max_model_len"]
+    # A layer's tensor holds its K and V planes (or K and V in each block, as the backend
+    # chooses): whole pages under either takes 2 pages of 4 KiB blocks, 1,024 blocks.
+    worker_blocks = elastic_pl["worker_blocks"]
+    assert worker_blocks == 2 * PAGE // BLOCK, elastic_pl
+    tensors: list[list[int]] = elastic_pl["tensors"]  # type: ignore[assignment]
+    assert len(tensors) == 16, tensors
+    for size, layers, _, block_stride, offset in tensors:
+        assert layers == 1 and block_stride == 0 and offset == 0
+        assert size == worker_blocks * BLOCK and size % (2 * PAGE) == 0
+    # A budget the longest sequence does not fit: the same refusal, in the release's words.
+    assert "refused" in stock["too-small"], stock
+    assert elastic["too-small"] == stock["too-small"]

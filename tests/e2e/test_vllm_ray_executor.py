@@ -1,5 +1,5 @@
 """L2 on CPU with vLLM's Ray executor: workers on two Ray nodes, the scheduler mapping their KV
-pages through the executor's own RPC (the engine-executor seam, from vllm-0.29).
+pages through the executor's own RPC (the engine-executor seam, from vllm-0.27).
 
 A Ray cluster of two nodes runs on this machine (`ray start` of a head and of a second node on
 127.0.0.1, one worker slot each), so tensor parallel 2 puts one rank on each node. Stock
@@ -10,7 +10,8 @@ Python (stock or patched tree) and the kvcached settings its workers must have: 
 a real deployment installs the same wheels and sets the same `KVCACHED_*` (docs/runtime.md).
 
 Proven: the patched engine's greedy tokens equal the stock engine's on the same executor (TP=2
-and PP=2); the KV memory the workers report follows the burst and is given back within 2 s of
+and PP=2, and TP=2 with the engine core in a process of its own, as `vllm serve` runs it); the
+KV memory the workers report follows the burst and is given back within 2 s of
 idle, exactly what the scheduler's pool counts; nothing is written for the job (no socket, job
 directory or announcement) and the limit record goes with the engine; a node killed in the
 middle of a burst stops the engine as it stops the stock one, and nothing of the pool is left.
@@ -47,7 +48,7 @@ from .vllm_cpu_run import (
 )
 
 CELL_NEEDS_TRANSFORMS = ("vllm-engine-executor",)
-# Two-node clusters and six engines take about 4 minutes: this module runs in verify-<cell>
+# Two-node clusters and eight engines take about 6 minutes: this module runs in verify-<cell>
 # (--heavy=all); on every CI run tests/unit/test_vllm_engine_rpc.py drives the same route
 # through worker processes and tests/contract/test_vllm_engine_executor.py the seam.
 VERIFY_ONLY = True
@@ -239,6 +240,33 @@ def test_ranks_on_two_ray_nodes_match_stock_and_their_memory_follows_demand(
     assert idle["reserve_pool_bytes"] <= MAX_RESERVED_PAGES * PAGE_ALL_RANKS
     assert idle["in_use_bytes"] <= (1 + CACHED_TOKENS_CAP // BLOCK_SIZE) * PAGE_ALL_RANKS
     # Nothing was written for the job, and the limit record went with the engine.
+    assert not elastic["job_left"] and elastic["shm_left"] == []
+
+
+#: The engine core in a process of its own (`vllm serve`'s default); the placement probe is a
+#: function of the runner, which that process takes only pickled by value.
+OWN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def test_an_engine_core_in_its_own_process_matches_stock_and_gives_memory_back(
+        engine_venv: Path, stock_engine_venv: Path, tiny_llama: Path, ray_site: Path,
+        unloadable_packages_hidden: Path, tmp_path: Path) -> None:
+    hidden = unloadable_packages_hidden
+    stock = _run_on_ray(stock_engine_venv, tiny_llama, tmp_path / "stock", hidden, ray_site,
+                        OWN_PROCESS)
+    elastic = _run_on_ray(engine_venv, tiny_llama, tmp_path / "elastic", hidden, ray_site,
+                          {**ELASTIC, **OWN_PROCESS})
+    assert sorted(where["ray_node_label"] for where in elastic["placement"]) == ["a", "b"]
+    assert elastic["outputs"] == stock["outputs"]
+    # The pool lives in the engine core's process: the runner reads the record it publishes
+    # for kvctl, which another process owns.
+    kv = elastic["kv"]
+    before, peak, idle = kv["before"], kv["peak"], kv["idle"]
+    assert before["owner_pid"] != elastic["runner_pid"]
+    assert peak["mapped_bytes"] >= before["mapped_bytes"] + 8 * PAGE_ALL_RANKS
+    assert 0 < kv["idle_after_s"] <= 2.0
+    assert idle["mapped_bytes"] < peak["mapped_bytes"]
+    assert idle["reserve_pool_bytes"] <= MAX_RESERVED_PAGES * PAGE_ALL_RANKS
     assert not elastic["job_left"] and elastic["shm_left"] == []
 
 

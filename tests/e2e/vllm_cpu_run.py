@@ -6,10 +6,13 @@
     python vllm_cpu_run.py kill-worker MODEL_DIR RESULT_JSON (--mp-workers TP | --ray-workers TP)
 
 `generate` runs vLLM's engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the
-patched engine's KV pool and its counters are visible here. By default the worker runs here too
-(uni executor) and the host backend's memory is read directly; with `--mp-workers TP` the mp
-executor runs TP tensor-parallel workers in their own processes and their KV memory is read
-from the workers' side (each rank's listener reports its mapped pages and committed bytes).
+patched engine's KV pool and its counters are visible here; with the engine core in its own
+process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`, `vllm serve`'s default) the pool's mapped bytes are
+read from the record it publishes for `kvctl` (`record_memory_reader`). By default the worker
+runs here too (uni executor) and the host backend's memory is read directly; with
+`--mp-workers TP` the mp executor runs TP tensor-parallel workers in their own processes and
+their KV memory is read from the workers' side (each rank's listener reports its mapped pages
+and committed bytes).
 With `--ray-workers TP` vLLM's Ray executor runs TP x PP workers on the Ray cluster named by
 RAY_ADDRESS; the patched engine then reaches them through the executor's own RPC, which only
 the engine's thread may use: during a burst the scheduler's own counters are sampled, and the
@@ -162,6 +165,29 @@ def kv_memory_reader(*, ask_workers: bool = True) -> Any:
     return read
 
 
+def record_memory_reader() -> Any:
+    """A reader of the KV memory the pool named KVCACHED_POOL_NAME publishes in its limit
+    record (what `kvctl` shows), for an engine core in another process; None when there is no
+    such pool (the stock wheel, or an engine core in this process)."""
+    pool = os.environ.get("KVCACHED_POOL_NAME")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1" or not pool:
+        return None
+    try:
+        from kvcached_core.limits import read_record
+    except ImportError:
+        return None
+
+    def read() -> dict[str, int]:
+        record = read_record(pool)
+        return {"mapped_bytes": record.used_bytes + record.reserved_bytes,
+                "reserve_pool_bytes": record.reserved_bytes, "owner_pid": record.owner_pid}
+
+    with contextlib.suppress(FileNotFoundError):
+        read()
+        return read
+    return None
+
+
 def metric_totals(llm: Any) -> dict[str, float]:
     totals: dict[str, float] = {}
     for metric in llm.get_metrics():
@@ -244,10 +270,10 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()]
     placement = llm.collective_rpc(_where_this_worker_runs) if executor.backend == "ray" else []
-    read = kv_memory_reader()
+    read = kv_memory_reader() or record_memory_reader()
     before = read() if read else None
     sampling = read if sample_memory else None
-    if sampling and executor.backend == "ray":
+    if sampling and executor.backend == "ray" and "owner_pid" not in before:
         sampling = kv_memory_reader(ask_workers=False)
     outputs: list[list[int]] = []
     cached_tokens: list[int] = []
@@ -290,6 +316,7 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
                "idle_after_s": idle_after_s},
         "placement": placement,
         "driver_node": _driver_node(),
+        "runner_pid": os.getpid(),
     }
     if executor.backend == "ray":
         shut_down(llm)
