@@ -270,10 +270,11 @@ def generate(model: Path, result_path: Path, rounds: int, *, sample_memory: bool
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload_token_ids()]
     placement = llm.collective_rpc(_where_this_worker_runs) if executor.backend == "ray" else []
-    read = kv_memory_reader() or record_memory_reader()
+    in_process = kv_memory_reader()
+    read = in_process or record_memory_reader()
     before = read() if read else None
     sampling = read if sample_memory else None
-    if sampling and executor.backend == "ray" and "owner_pid" not in before:
+    if sampling and executor.backend == "ray" and in_process:
         sampling = kv_memory_reader(ask_workers=False)
     outputs: list[list[int]] = []
     cached_tokens: list[int] = []
