@@ -1168,7 +1168,7 @@ CODEMODS += [
         id="vllm-kv-budget-user-bytes",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.10.2,<0.24",
+        versions=">=0.10.2,<0.11",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory()",
         targets=("{package}/v1/engine/core.py",),
@@ -1184,7 +1184,7 @@ CODEMODS += [
         id="vllm-kv-budget-planned-scaled",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.24,<0.29",
+        versions=">=0.11,<0.29",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory() and "
                "self.model_executor.initialize_from_config(kv_cache_configs)",

@@ -1,5 +1,5 @@
 """The kv-budget seam on the release's own EngineCore (patched sdist tree): vLLM 0.32+, which
-plan a worker through the release's planner, and 0.24 - 0.28, which scale its tensors.
+plan a worker through the release's planner, and 0.11 - 0.28, which scale its tensors.
 
 The patched `EngineCore._initialize_kv_caches` runs on a stand-in core whose executor reports a
 16-layer model's KV specs and layouts, and stops at `initialize_from_config`, where it keeps
@@ -54,7 +54,7 @@ class Planned(Exception):
 
 class Executor:
     def __init__(self, layout, budget):
-        self.layout, self.budget, self.configs = layout, budget, None
+        self.layout, self.budget, self.configs, self.scheduler_config = layout, budget, None, None
 
     def get_kv_cache_specs(self):
         return [specs]
@@ -66,7 +66,10 @@ class Executor:
         return [self.budget]
 
     def initialize_from_config(self, configs):
+        # The scheduler's config is built just before (every release names it so); before
+        # 0.20 the release returns its block count to __init__ rather than setting it.
         self.configs = configs
+        self.scheduler_config = sys._getframe(1).f_locals["scheduler_kv_cache_config"]
         raise Planned()
 
     def __getattr__(self, name):
@@ -91,7 +94,7 @@ def plan(layout, budget, max_model_len):
         return {{"refused": str(error)}}
     [config] = core.model_executor.configs
     return {{
-        "scheduler_blocks": vllm_config.cache_config.num_gpu_blocks,
+        "scheduler_blocks": core.model_executor.scheduler_config.num_blocks,
         "max_model_len": vllm_config.model_config.max_model_len,
         "worker_blocks": config.num_blocks,
         "layout": getattr(config, "kv_cache_layout", None),  # 0.32+
@@ -115,7 +118,7 @@ CASES = {
 }
 
 
-# vLLM 0.24 - 0.28: no layout to choose (the executor's answer is never asked for).
+# vLLM 0.11 - 0.28: no layout to choose (the executor's answer is never asked for).
 SCALED_CASES = {
     "per-layer": (None, BUDGET, 256),
     "too-small": (None, SMALL, 1024),
