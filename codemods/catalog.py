@@ -88,10 +88,10 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("vllm", "step-end-release"),
     RequiredSeam("vllm", "shutdown"),
     RequiredSeam("vllm", "kv-budget"),
-    RequiredSeam("vllm", "engine-executor", ">=0.27",
+    RequiredSeam("vllm", "engine-executor", ">=0.25",
                  note="the Ray executor's workers are reached through the executor's own RPC "
-                      "(proven on the CPU engine, 0.27 - 0.32); older cells refuse the Ray "
-                      "executor at start"),
+                      "(proven on the CPU engine, 0.27 - 0.32, and on a GPU, 0.25); older "
+                      "cells refuse the Ray executor at start"),
     RequiredSeam("vllm", "startup-free-memory",
                  note="the GPU worker refuses to start when free memory is below its share"),
     RequiredSeam("vllm", "memory-profile-check",
@@ -1132,7 +1132,7 @@ CODEMODS += [
         id="vllm-engine-executor",
         seam="engine-executor",
         engine="vllm",
-        versions=">=0.27,<0.35",
+        versions=">=0.25,<0.35",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches (decorator)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=1,

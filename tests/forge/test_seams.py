@@ -57,10 +57,10 @@ def one_error_line(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_seam_table_names_the_seams_of_each_engine() -> None:
     registry = default_registry()
-    before_ray = [seam for seam in VLLM_SEAMS if seam != "engine-executor"]  # Ray from 0.27
-    assert registry.required_for("vllm", "0.26.0") == before_ray
+    before_ray = [seam for seam in VLLM_SEAMS if seam != "engine-executor"]  # Ray from 0.25
+    assert registry.required_for("vllm", "0.24.0") == before_ray
     assert registry.required_for("vllm", "0.32.0") == VLLM_SEAMS
-    assert registry.required_for("vllm", "0.27.1") == VLLM_SEAMS
+    assert registry.required_for("vllm", "0.25.1") == VLLM_SEAMS
     # Model Runner V2 is opt-in before 0.22: its KV buffers are not a required seam there.
     assert registry.required_for("vllm", "0.9.2") == before_ray[:-1]
     assert registry.required_for("vllm", "0.21.0") == before_ray[:-1]
