@@ -1,5 +1,5 @@
 """L2 on CPU with vLLM's Ray executor: workers on two Ray nodes, the scheduler mapping their KV
-pages through the executor's own RPC (the engine-executor seam, from vllm-0.27).
+pages through the executor's own RPC (the engine-executor seam, from vllm-0.25).
 
 A Ray cluster of two nodes runs on this machine (`ray start` of a head and of a second node on
 127.0.0.1, one worker slot each), so tensor parallel 2 puts one rank on each node. Stock
