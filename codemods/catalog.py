@@ -71,6 +71,7 @@ from codemods.vllm import kv_buffers_attn_groups as _vllm_kv_buffers_attn_groups
 from codemods.vllm import kv_buffers_shared_helper as _vllm_kv_buffers_shared_helper
 from codemods.vllm import kv_plan as _vllm_kv_plan
 from codemods.vllm import kv_plan_older as _vllm_kv_plan_older
+from codemods.vllm import kv_plan_unified as _vllm_kv_plan_unified
 from codemods.vllm import startup_memory as _vllm_startup_memory
 
 # --- the seams every build of an engine must cover -----------------------------------------
@@ -1165,20 +1166,23 @@ CODEMODS += [
         last_update=_VLLM_REVIEWED,
     ),
     CodemodDeclaration(
-        id="vllm-kv-budget-user-bytes",
+        id="vllm-kv-budget-planned-unified",
         seam="kv-budget",
         engine="vllm",
         versions=">=0.10.2,<0.11",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
-               "self.model_executor.determine_available_memory()",
+               "self.model_executor.determine_available_memory() and "
+               "self.model_executor.initialize_from_config(kv_cache_configs)",
         targets=("{package}/v1/engine/core.py",),
-        expected_hits=1,
-        why="As vllm-kv-budget, and the user's kv_cache_memory_bytes (new in 0.10.2) wins too.",
-        retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
-                    "the virtual size through it).",
-        codemod=_vllm_engine_core.KVCacheBudgetWithUserBytes,
-        forwarded="no",
-        last_update=_VLLM_REVIEWED,
+        expected_hits=2,
+        why="As vllm-kv-budget-planned-scaled; this release brings its ranks to one block "
+            "count without resizing their tensors (unify_kv_cache_configs), so each is scaled "
+            "by the model's page size. The user's kv_cache_memory_bytes is new in 0.10.2.",
+        retire_when="Never for this range: get_kv_cache_configs, which resizes ranks, arrived "
+                    "in 0.11.",
+        codemod=_vllm_kv_plan_unified.KVBudgetPlannedForUnifiedRanks,
+        forwarded="not-needed",
+        last_update="2026-12-07",
     ),
     CodemodDeclaration(
         id="vllm-kv-budget-planned-scaled",
@@ -1226,9 +1230,10 @@ CODEMODS += [
                "self.model_executor.initialize_from_config(kv_cache_configs)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=2,
-        why="As vllm-kv-budget-user-bytes, but the scheduler keeps exactly stock vLLM's blocks "
-            "(its capacity, its refusal, its fitted max_model_len for every budget): only the "
-            "workers' KV caches are re-planned, by vLLM's own planner, to whole kvcached pages.",
+        why="As vllm-kv-budget, and the user's kv_cache_memory_bytes wins; the scheduler "
+            "keeps exactly stock vLLM's blocks (its capacity, its refusal, its fitted "
+            "max_model_len for every budget): only the workers' KV caches are re-planned, by "
+            "vLLM's own planner, to whole kvcached pages.",
         retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
                     "the virtual size through it).",
         codemod=_vllm_kv_plan.KVBudgetPlannedInWholePages,

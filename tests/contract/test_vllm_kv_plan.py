@@ -1,5 +1,5 @@
 """The kv-budget seam on the release's own EngineCore (patched sdist tree): vLLM 0.32+, which
-plan a worker through the release's planner, and 0.11 - 0.28, which scale its tensors.
+plan a worker through the release's planner, and 0.10 - 0.28, which scale its tensors.
 
 The patched `EngineCore._initialize_kv_caches` runs on a stand-in core whose executor reports a
 16-layer model's KV specs and layouts, and stops at `initialize_from_config`, where it keeps
@@ -44,8 +44,13 @@ from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 import vllm.v1.engine.core as release
 
+import dataclasses
+# vLLM 0.10's spec still says whether it is MLA; later releases dropped the field.
+fields = {{f.name for f in dataclasses.fields(FullAttentionSpec)}}
+mla = {{"use_mla": False}} if "use_mla" in fields else {{}}
 specs = {{f"model.layers.{{i}}.self_attn.attn": FullAttentionSpec(
-    block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16) for i in range(16)}}
+    block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, **mla)
+    for i in range(16)}}
 
 
 class Planned(Exception):
@@ -118,7 +123,7 @@ CASES = {
 }
 
 
-# vLLM 0.11 - 0.28: no layout to choose (the executor's answer is never asked for).
+# vLLM 0.10 - 0.28: no layout to choose (the executor's answer is never asked for).
 SCALED_CASES = {
     "per-layer": (None, BUDGET, 256),
     "too-small": (None, SMALL, 1024),
@@ -176,6 +181,16 @@ def test_the_builder_plans_as_stock_and_the_workers_get_whole_pages(
 @pytest.mark.cell_needs("vllm-kv-budget-planned-scaled")
 def test_the_scheduler_keeps_stock_blocks_and_the_workers_tensors_scale_to_whole_pages(
         cell: Cell, tmp_path: Path) -> None:
+    check_scaled_plan(cell, tmp_path)
+
+
+@pytest.mark.cell_needs("vllm-kv-budget-planned-unified")
+def test_unified_ranks_keep_stock_blocks_and_the_workers_tensors_scale_to_whole_pages(
+        cell: Cell, tmp_path: Path) -> None:
+    check_scaled_plan(cell, tmp_path)
+
+
+def check_scaled_plan(cell: Cell, tmp_path: Path) -> None:
     tree = unpacked_sdist(cell, tmp_path)
     tree_workspace(tree, patched=True, cell=cell)
     stock = plans(cell, tree, tmp_path / "stock", enable="0", cases=SCALED_CASES)

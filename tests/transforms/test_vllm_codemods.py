@@ -18,7 +18,6 @@ from codemods.vllm.block_pool import ElasticBlockPoolConstruction
 from codemods.vllm.engine_core import (
     ClosePoolOnShutdown,
     KVCacheBudget,
-    KVCacheBudgetWithUserBytes,
     ReleasePagesAfterStep,
 )
 from codemods.vllm.engine_executor import KVSizedWithExecutor
@@ -36,6 +35,7 @@ from codemods.vllm.kv_buffers_attn_groups import (
 from codemods.vllm.kv_buffers_shared_helper import SharedKVBufferFromCaller
 from codemods.vllm.kv_plan import KVBudgetPlannedByBuilder, KVBudgetPlannedInWholePages
 from codemods.vllm.kv_plan_older import KVBudgetPlannedByScaling, KVBudgetPlannedForGroups
+from codemods.vllm.kv_plan_unified import KVBudgetPlannedForUnifiedRanks
 from forge.registry import default_registry
 
 BUILD = BuildContext(
@@ -128,16 +128,11 @@ def test_engine_core_codemods_in_sequence_share_one_import() -> None:
     assert code.count(IMPORT) == 1
 
 
-@pytest.mark.parametrize(("codemod", "transform_id"), [
-    (KVCacheBudget, "vllm-kv-budget"),
-    (KVCacheBudgetWithUserBytes, "vllm-kv-budget-user-bytes"),
-])
-def test_kv_budget_wraps_the_profiled_memory(codemod: type[HitCountingCodemod],
-                                             transform_id: str) -> None:
-    hits, code = assert_rewrites_fixture(codemod, transform_id)
+def test_kv_budget_wraps_the_profiled_memory() -> None:
+    hits, code = assert_rewrites_fixture(KVCacheBudget, "vllm-kv-budget")
     assert hits == 1
     compile(code, "core.py", "exec")
-    assert_idempotent(codemod, code)
+    assert_idempotent(KVCacheBudget, code)
 
 
 def test_allocate_slots_is_decorated() -> None:
@@ -357,6 +352,8 @@ def test_model_runner_v2_variant_does_not_match_a_caller_without_its_layouts(
 @pytest.mark.parametrize(("codemod", "transform_id"), [
     (KVBudgetPlannedInWholePages, "vllm-kv-budget-planned"),
     (KVBudgetPlannedByBuilder, "vllm-kv-budget-planned-builder"),
+    # 0.10: the ranks unified without resizing, each tensor scaled by the model's page
+    (KVBudgetPlannedForUnifiedRanks, "vllm-kv-budget-planned-unified"),
 ])
 def test_kv_budget_is_sized_as_stock_and_the_workers_plan_is_whole_pages(
         codemod: type[HitCountingCodemod], transform_id: str) -> None:
@@ -392,6 +389,8 @@ def test_older_kv_budget_plans_differ_from_0_32_in_the_plan_only(
     (KVBudgetPlannedByBuilder, "vllm-kv-budget-planned"),
     (KVBudgetPlannedForGroups, "vllm-kv-budget-planned-builder"),
     (KVBudgetPlannedByScaling, "vllm-kv-budget-planned-builder"),
+    (KVBudgetPlannedByScaling, "vllm-kv-budget-planned-unified"),
+    (KVBudgetPlannedForUnifiedRanks, "vllm-kv-budget-planned"),
 ])
 def test_kv_budget_plan_variant_leaves_a_release_planning_elsewhere(
         codemod: type[HitCountingCodemod], other_release: str) -> None:

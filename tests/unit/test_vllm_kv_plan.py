@@ -5,8 +5,8 @@
 capacity, the same refusal). `kv_cache_configs_in_whole_pages` then re-plans each worker's
 config for the next block count whose layer regions are whole kvcached pages, through the
 planner the call site passes or, where a release scales a rank's tensors with the block
-count instead (0.11 - 0.28: the variant `KVBudgetPlannedByScaling`, to be declared for 0.27 -
-0.28 once their verify records pass with it), by that scaling. Here the planner is a
+count instead (0.11 - 0.28: `KVBudgetPlannedByScaling`; 0.10, whose ranks keep their own
+bytes: `KVBudgetPlannedForUnifiedRanks`), by that scaling. Here the planner is a
 stand-in that lays layers out as vLLM's layer-outermost plan does;
 tests/contract/test_vllm_kv_plan.py runs the release's own, and
 tests/e2e/test_vllm_small_budget.py each CPU cell's engine.
@@ -175,8 +175,47 @@ def test_a_release_that_scales_tensors_gets_them_scaled_to_whole_pages(elastic: 
     # A tensor that is not whole blocks cannot be scaled: refused, not guessed.
     odd = per_layer(STOCK_BLOCKS)
     odd.kv_cache_tensors[3].size += 1
-    with pytest.raises(KVCachedConfigError, match="not 32 whole blocks"):
+    with pytest.raises(KVCachedConfigError, match="not whole blocks of 32"):
         engine.kv_cache_configs_in_whole_pages([odd], vllm_config=VllmConfig(), plan=None)
+
+
+@dataclass
+class PageSpec:
+    page_size_bytes: int
+
+
+@dataclass
+class Group:
+    kv_cache_spec: PageSpec
+
+
+def test_a_vllm_0_10_rank_that_kept_more_bytes_is_scaled_by_the_models_page(
+        elastic: str) -> None:
+    """vLLM 0.10 brings ranks to the smallest block count without resizing their tensors: a
+    rank that sized 40 or 64 blocks keeps their bytes under a common count of 32 (40 x 4 KiB
+    is as divisible by 32 as 32 x 4 KiB is, so the bytes alone cannot tell a block). The
+    model's one page size can: both are planned as their workers lay the tensors out."""
+    groups = [Group(PageSpec(BLOCK))]
+    by_page = engine.RANKS_KEEP_THEIR_BYTES
+    for own in (32, 40, 64):
+        tensors = [LayerTensor(own * BLOCK, [f"layer.{i}"]) for i in range(LAYERS)]
+        rank = PlannedConfig(STOCK_BLOCKS, tensors, groups)  # type: ignore[arg-type]
+        [widened] = engine.kv_cache_configs_in_whole_pages([rank], vllm_config=VllmConfig(),
+                                                           plan=by_page)
+        assert widened.num_blocks == 2 * PAGE_BLOCKS, own
+        assert {t.size for t in widened.kv_cache_tensors} == {2 * PAGE_BLOCKS * BLOCK}, own
+    # Already a whole-page count: a rank that kept more is still brought to it.
+    tensors = [LayerTensor(3 * PAGE_BLOCKS * BLOCK, [f"layer.{i}"]) for i in range(LAYERS)]
+    rank = PlannedConfig(2 * PAGE_BLOCKS, tensors, groups)  # type: ignore[arg-type]
+    [kept] = engine.kv_cache_configs_in_whole_pages([rank], vllm_config=VllmConfig(),
+                                                    plan=by_page)
+    assert kept.num_blocks == 2 * PAGE_BLOCKS
+    assert {t.size for t in kept.kv_cache_tensors} == {2 * PAGE_BLOCKS * BLOCK}
+    # Without the model's one page size such a tensor is refused, not guessed.
+    bare = [LayerTensor(40 * BLOCK, [f"layer.{i}"]) for i in range(LAYERS)]
+    with pytest.raises(KVCachedConfigError, match="not whole blocks of the model"):
+        engine.kv_cache_configs_in_whole_pages([PlannedConfig(STOCK_BLOCKS, bare, ["layers"])],
+                                               vllm_config=VllmConfig(), plan=by_page)
 
 
 def test_a_plan_already_in_whole_pages_or_blocks_first_is_handed_on_as_it_is(

@@ -2,14 +2,20 @@
 
 The case: a 16-layer model (Llama 3.2 1B's KV shape: 8 KV heads of 64, bf16, 16-token blocks)
 with `kv_cache_memory_bytes` = 32 MiB and the default 2 MiB page. One kvcached page of blocks
-across every layer and K/V plane is 64 MiB, so the budget used to be refused at start.
+across every layer and K/V plane is 64 MiB. The scheduler sizes from the user's bytes as stock
+vLLM does (64 blocks); the workers' tensors are planned for the next whole-page block count
+(`kv_cache_configs_in_whole_pages`, as vLLM 0.10 - 0.28 scale them), which their VMM buffers
+back page by page. vLLM 0.9, which has no user budget, rounds a profiled one down to whole
+pages, never below one.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,33 +53,33 @@ def elastic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
     pools.close(name)
 
 
-def budget(available: int, *, user_kv_bytes: int | None) -> int:
+@dataclass
+class RankConfig(Config):
+    num_blocks: int = 0
+
+
+NO_OVERRIDE = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=None))
+
+
+def budget(available: int, *, user_kv_bytes: int | None, planned: bool) -> int:
     """What the rewritten EngineCore._initialize_kv_caches hands vLLM for a uni engine."""
     [result] = engine.kv_cache_budget([available], block_bytes_per_layer=[BLOCK_BYTES] * LAYERS,
                                       user_kv_bytes=user_kv_bytes, user_num_blocks=None,
-                                      executor_backend="uni", world_size=1)
+                                      executor_backend="uni", world_size=1,
+                                      planned_in_whole_pages=planned)
     return result
 
 
-def test_a_user_budget_below_one_page_is_rounded_up_to_one_page(elastic: str) -> None:
-    assert budget(USER_BUDGET, user_kv_bytes=USER_BUDGET) == PAGE_OF_BLOCKS
-
-
-@pytest.mark.parametrize("pages", [1, 2, 3])
-def test_a_user_budget_is_rounded_up_to_whole_pages_never_down(elastic: str,
-                                                               pages: int) -> None:
-    # Rounding down could leave fewer blocks than the model's longest sequence needs, which
-    # the stock engine (exactly the user's bytes) would have had.
-    user = pages * PAGE_OF_BLOCKS - BLOCK_BYTES * LAYERS
-    assert budget(user, user_kv_bytes=user) == pages * PAGE_OF_BLOCKS
-    assert budget(pages * PAGE_OF_BLOCKS, user_kv_bytes=pages * PAGE_OF_BLOCKS) == (
-        pages * PAGE_OF_BLOCKS)
+def test_a_user_budget_below_one_page_is_sized_as_stock(elastic: str) -> None:
+    assert budget(USER_BUDGET, user_kv_bytes=USER_BUDGET, planned=True) == USER_BUDGET
 
 
 def test_a_profiled_budget_rounds_down_but_never_below_one_page(elastic: str) -> None:
-    assert budget(PAGE_OF_BLOCKS * 3 - 1, user_kv_bytes=None) == PAGE_OF_BLOCKS * 2
-    assert budget(USER_BUDGET, user_kv_bytes=None) == PAGE_OF_BLOCKS
-    assert budget(0, user_kv_bytes=None) == 0  # vLLM's own "no memory" error stays its own
+    # vLLM 0.9: no user budget, and the workers' tensors are not planned again.
+    assert budget(PAGE_OF_BLOCKS * 3 - 1, user_kv_bytes=None, planned=False) == (
+        PAGE_OF_BLOCKS * 2)
+    assert budget(USER_BUDGET, user_kv_bytes=None, planned=False) == PAGE_OF_BLOCKS
+    assert budget(0, user_kv_bytes=None, planned=False) == 0  # vLLM's own "no memory" error
 
 
 ShapeOf = Callable[..., tuple[int, ...]]
@@ -83,15 +89,19 @@ ShapeOf = Callable[..., tuple[int, ...]]
     pytest.param(blocks_first_shape, True, id="blocks-first-contiguous"),
     pytest.param(kv_first_shape, False, id="kv-planes-per-layer"),
 ])
-def test_the_rounded_budget_gives_the_kv_buffers_every_block_stock_vllm_has(
+def test_the_planned_buffers_hold_every_block_stock_vllm_has(
         elastic: str, shape_of: ShapeOf, contiguous: bool) -> None:
-    kv_bytes = budget(USER_BUDGET, user_kv_bytes=USER_BUDGET)
+    kv_bytes = budget(USER_BUDGET, user_kv_bytes=USER_BUDGET, planned=True)
     # vLLM's sizing: the budget over every layer's block, each layer a buffer of those blocks.
-    num_blocks = kv_bytes // (BLOCK_BYTES * LAYERS)
-    assert num_blocks >= STOCK_BLOCKS
+    assert kv_bytes // (BLOCK_BYTES * LAYERS) == STOCK_BLOCKS
     names = [f"model.layers.{i}.attn" for i in range(LAYERS)]
-    config = Config([Tensor(num_blocks * BLOCK_BYTES, [n]) for n in names],
-                    [Group(layer_spec(), names)])
+    stock = RankConfig([Tensor(STOCK_BLOCKS * BLOCK_BYTES, [n]) for n in names],
+                       [Group(layer_spec(), names)], num_blocks=STOCK_BLOCKS)
+    [config] = engine.kv_cache_configs_in_whole_pages([stock], vllm_config=NO_OVERRIDE,
+                                                      plan=None)
+    num_blocks = config.num_blocks
+    # Whole pages of K and V half-blocks in every layer: 128 blocks, one page of blocks.
+    assert num_blocks * BLOCK_BYTES * LAYERS == PAGE_OF_BLOCKS
     buffers = [kv_tensor_buffer(torch.zeros, t.size, dtype=torch.int8,
                                 device=torch.device("cpu"), kv_cache_config=config,
                                 kv_cache_tensor=t, block_stride=0,
@@ -102,13 +112,11 @@ def test_the_rounded_budget_gives_the_kv_buffers_every_block_stock_vllm_has(
     pool = engine_pool.pool
     assert pool.geometry.contiguous is contiguous
     assert [b.numel() for b in buffers] == [t.size for t in config.kv_cache_tensors]
-    # The pool holds every block the stock engine has; backing all of it stays within the
-    # rounded budget, and every one of those blocks (but the null block) takes writes in
-    # every layer.
+    # The pool holds every block the stock engine has, and every one of those blocks (but the
+    # null block) takes writes in every layer once backed.
     assert engine_pool.num_blocks >= STOCK_BLOCKS
     pool.alloc(pool.available_size())
-    assert USER_BUDGET <= pool.mapped_bytes() <= kv_bytes
-    assert kv_bytes - USER_BUDGET < PAGE_OF_BLOCKS
+    assert USER_BUDGET <= pool.mapped_bytes() <= PAGE_OF_BLOCKS
     block_dim = 0 if shape_of is blocks_first_shape else 1
     for layer, raw in enumerate(buffers):
         kv = raw.view(torch.bfloat16).view(shape_of(num_blocks, BLOCK_TOKENS, HEADS, HEAD_SIZE))

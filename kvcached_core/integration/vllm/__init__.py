@@ -12,6 +12,7 @@ from kvcached_core.integration.vllm.block_pool import (
 )
 from kvcached_core.integration.vllm.config import elastic_enabled, engine_settings
 from kvcached_core.integration.vllm.engine import (
+    RANKS_KEEP_THEIR_BYTES,
     close_on_shutdown,
     kv_cache_budget,
     kv_cache_configs_in_whole_pages,
@@ -33,6 +34,7 @@ from kvcached_core.integration.vllm.startup_memory import (
 )
 
 __all__ = [
+    "RANKS_KEEP_THEIR_BYTES",
     "ElasticBlockPoolMixin",
     "EnginePool",
     "close_on_shutdown",

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvcached_core.errors import KVCachedConfigError, PoolExhausted
 from kvcached_core.integration.vllm import pools, workers
@@ -116,9 +116,9 @@ def kv_cache_budget(
     `planned_in_whole_pages` (cells whose build also rewrites the workers' KV plan,
     `kv_cache_configs_in_whole_pages`): the bytes are vLLM's to size from as they are, so
     the scheduler has exactly stock vLLM's blocks, its capacity check and its fitted model
-    length; the workers' buffers are given whole pages later. Otherwise the result is whole
-    kvcached pages of blocks in every layer region (what the KV buffers need), rounded so that
-    the patched engine starts wherever the stock one does (`whole_pages_budget`).
+    length; the workers' buffers are given whole pages later. Otherwise (vLLM 0.9) the result
+    is whole kvcached pages of blocks in every layer region, what the KV buffers need
+    (`whole_pages_budget`).
 
     When the executor runs the workers in other processes, the job is announced here, before
     the workers allocate their KV buffers, so that they serve them to this scheduler: in files
@@ -149,12 +149,19 @@ def kv_cache_budget(
     if planned_in_whole_pages:
         return available
     quantum = sum(sizes) * aligned_blocks_quantum(sizes, settings.page_size)
-    user_set = bool(user_kv_bytes) and user_num_blocks is None
-    return [whole_pages_budget(budget, quantum, user_set=user_set) for budget in available]
+    return [whole_pages_budget(budget, quantum) for budget in available]
 
 
-def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
-                                    plan: Callable[[Any, int], Any] | None) -> list[Any]:
+#: `plan` for vLLM 0.10, whose ranks keep the tensor bytes they sized when brought to one
+#: block count: each tensor is scaled by the model's page size rather than by its own bytes
+#: per block (`_tensor_block_bytes`).
+RANKS_KEEP_THEIR_BYTES = "ranks-keep-their-bytes"
+
+
+def kv_cache_configs_in_whole_pages(
+        configs: list[Any], *, vllm_config: Any,
+        plan: Callable[[Any, int], Any] | Literal["ranks-keep-their-bytes"] | None,
+) -> list[Any]:
     """The workers' KV cache configs, each re-planned to a block count whose KV buffers are
     whole kvcached pages (the call vLLM's `initialize_from_config` is given).
 
@@ -168,27 +175,33 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
     again for the next multiple the way the release re-plans a rank for another block count
     itself: by its planner (`plan(groups, num_blocks)`, vLLM 0.29 and later) or, where the
     release scales each KVCacheTensor's size with the block count instead (`plan=None`, vLLM
-    0.11 - 0.28, whose workers lay a buffer out from its size), by that scaling. The extra
+    0.11 - 0.28, whose workers lay a buffer out from its size; `RANKS_KEEP_THEIR_BYTES`, 0.10),
+    by that scaling. The extra
     blocks are address space the scheduler never hands out, mapped never.
     `num_gpu_blocks_override` is the scheduler's figure, so it is set aside while planning.
     """
     settings = engine_settings()
     if not settings.enabled:
         return configs
+    by_page = plan == RANKS_KEEP_THEIR_BYTES
     planned = []
     for config in configs:
-        quantum = _whole_page_blocks(config, settings.page_size)
+        quantum = _whole_page_blocks(config, settings.page_size, by_page=by_page)
         blocks = int(config.num_blocks)
         wanted = -(-blocks // quantum) * quantum
-        if wanted == blocks:
+        # Already whole pages (a vLLM 0.10 rank that kept more bytes than the common block
+        # count is scaled to it all the same: its worker would lay out all of them).
+        if wanted == blocks and not (by_page and any(
+                _tensor_block_bytes(config, t, by_page=True) * blocks != int(t.size)
+                for t in config.kv_cache_tensors)):
             planned.append(config)
             continue
         cache_config = vllm_config.cache_config
         override = cache_config.num_gpu_blocks_override
         cache_config.num_gpu_blocks_override = None
         try:
-            widened = (_scaled_config(config, wanted) if plan is None
-                       else plan(config.kv_cache_groups, wanted))
+            widened = (plan(config.kv_cache_groups, wanted) if callable(plan)
+                       else _scaled_config(config, wanted, by_page=by_page))
         finally:
             cache_config.num_gpu_blocks_override = override
         if int(widened.num_blocks) != wanted:
@@ -205,23 +218,42 @@ def kv_cache_configs_in_whole_pages(configs: list[Any], *, vllm_config: Any,
     return planned
 
 
-def _scaled_config(config: Any, num_blocks: int) -> Any:
+def _scaled_config(config: Any, num_blocks: int, *, by_page: bool) -> Any:
     """`config` for `num_blocks` blocks, every KVCacheTensor's size scaled with the block
     count: how vLLM 0.11 - 0.28 bring a rank to another block count (`get_kv_cache_configs`),
     which holds because every tensor of theirs is `num_blocks` times a block's bytes."""
-    blocks = int(config.num_blocks)
-    tensors = []
-    for tensor in config.kv_cache_tensors:
-        size = int(tensor.size)
-        if size % blocks:
-            raise KVCachedConfigError(
-                f"a KV cache tensor of {size} bytes is not {blocks} whole blocks: kvcached "
-                "cannot plan it for whole pages; set KVCACHED_ENABLE=0")
-        tensors.append(dataclasses.replace(tensor, size=size // blocks * num_blocks))
+    tensors = [dataclasses.replace(
+        tensor, size=_tensor_block_bytes(config, tensor, by_page=by_page) * num_blocks)
+        for tensor in config.kv_cache_tensors]
     return dataclasses.replace(config, num_blocks=num_blocks, kv_cache_tensors=tensors)
 
 
-def _whole_page_blocks(config: Any, page_size: int) -> int:
+def _tensor_block_bytes(config: Any, tensor: Any, *, by_page: bool) -> int:
+    """The bytes of one of `config`'s blocks in KVCacheTensor `tensor`.
+
+    From 0.11 a rank's tensors are resized with its block count: a tensor is `num_blocks`
+    whole blocks. vLLM 0.10 brings its ranks to one block count without resizing them
+    (`unify_kv_cache_configs`: a rank that sized more blocks keeps their bytes, and its
+    worker lays out `size // page_size_bytes` blocks), so there (`by_page`) a block is the
+    page size every layer of the model shares (0.10 plans no other model). Anything else is
+    refused, not guessed.
+    """
+    size, blocks = int(tensor.size), int(config.num_blocks)
+    if by_page:
+        pages = {getattr(getattr(group, "kv_cache_spec", None), "page_size_bytes", None)
+                 for group in config.kv_cache_groups}
+        if len(pages) == 1 and isinstance(page := pages.pop(), int) and page > 0 \
+                and size % page == 0:
+            return page
+    elif size % blocks == 0:
+        return size // blocks
+    raise KVCachedConfigError(
+        f"a KV cache tensor of {size} bytes is not whole blocks of "
+        f"{'the model' if by_page else blocks}: kvcached cannot plan it for whole pages; set "
+        "KVCACHED_ENABLE=0")
+
+
+def _whole_page_blocks(config: Any, page_size: int, *, by_page: bool) -> int:
     """The fewest blocks that make every region of `config`'s KV buffers whole pages.
 
     vLLM >= 0.29: a KVCacheTensor whose layer stride exceeds its block stride gives each
@@ -231,7 +263,6 @@ def _whole_page_blocks(config: Any, page_size: int) -> int:
     V plane (`aligned_blocks_quantum`), or with a packed block stride (vLLM 0.24 - 0.28) the
     one backing of every layer, one region `kv_tensor_buffer` pads itself.
     """
-    blocks = int(config.num_blocks)
     quanta = []
     for tensor in config.kv_cache_tensors:
         if getattr(tensor, "host_resident", False):
@@ -242,7 +273,8 @@ def _whole_page_blocks(config: Any, page_size: int) -> int:
             if int(layer_stride) > block_stride:
                 quanta.append(choose_block_tiling(block_stride, page_size).quantum_blocks)
         elif not block_stride:
-            quanta.append(aligned_blocks_quantum([int(tensor.size) // blocks], page_size))
+            quanta.append(aligned_blocks_quantum(
+                [_tensor_block_bytes(config, tensor, by_page=by_page)], page_size))
     return math.lcm(*quanta) if quanta else 1
 
 
@@ -264,23 +296,16 @@ def aligned_blocks_quantum(block_bytes_per_layer: Iterable[int], page_size: int)
     return math.lcm(*(choose_block_tiling(unit, page_size).quantum_blocks for unit in units))
 
 
-def whole_pages_budget(budget: int, page_of_blocks: int, *, user_set: bool) -> int:
-    """`budget` bytes as whole kvcached pages of blocks (`page_of_blocks` bytes each).
-
-    A budget the user set (`kv_cache_memory_bytes`) is rounded up: vLLM then has at least
-    the blocks the stock engine has, so every configuration that starts stock (the model's
-    longest sequence fits, a budget below one page) starts patched. The pool's capacity is
-    the rounded budget, so it maps less than `page_of_blocks` bytes beyond what the user
-    set. A profiled or `KVCACHED_VIRTUAL_SIZE` budget is rounded down (profiling found no
-    more free), but never below one page: a budget too small for a page still starts, as
-    the stock engine does.
+def whole_pages_budget(budget: int, page_of_blocks: int) -> int:
+    """`budget` bytes as whole kvcached pages of blocks (`page_of_blocks` bytes each), for a
+    cell whose workers are not planned in whole pages (vLLM 0.9, whose only budget is the
+    profiled one or `KVCACHED_VIRTUAL_SIZE`): rounded down (profiling found no more free),
+    but never below one page: a budget too small for a page still starts, as the stock
+    engine does.
     """
     if budget <= 0:
         return budget  # vLLM's own "no memory for the KV cache" error stays vLLM's
-    if user_set:
-        rounded = -(-budget // page_of_blocks) * page_of_blocks
-    else:
-        rounded = max(1, budget // page_of_blocks) * page_of_blocks
+    rounded = max(1, budget // page_of_blocks) * page_of_blocks
     if rounded != budget:
         logger.info("kvcached: KV budget of %d bytes rounded to %d (whole %d-byte pages of "
                     "blocks)", budget, rounded, page_of_blocks)
