@@ -1149,35 +1149,21 @@ CODEMODS += [
         last_update="2026-12-06",
     ),
     CodemodDeclaration(
-        id="vllm-kv-budget",
-        seam="kv-budget",
-        engine="vllm",
-        versions=">=0.9.2,<0.10.2",
-        anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
-               "self.model_executor.determine_available_memory()",
-        targets=("{package}/v1/engine/core.py",),
-        expected_hits=1,
-        why="The virtual KV size (what vLLM sizes its block table from) and the physical limit "
-            "are separate kvcached settings; num_gpu_blocks_override wins; blocks are rounded "
-            "to whole kvcached pages; multi-process workers are refused at start.",
-        retire_when="Never for this range: it predates kv_cache_memory_bytes (0.10.2).",
-        codemod=_vllm_engine_core.KVCacheBudget,
-        forwarded="not-needed",
-        last_update=_VLLM_REVIEWED,
-    ),
-    CodemodDeclaration(
         id="vllm-kv-budget-planned-unified",
         seam="kv-budget",
         engine="vllm",
-        versions=">=0.10.2,<0.11",
+        versions=">=0.9.2,<0.11",
         anchor="vllm.v1.engine.core.EngineCore._initialize_kv_caches: "
                "self.model_executor.determine_available_memory() and "
                "self.model_executor.initialize_from_config(kv_cache_configs)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=2,
-        why="As vllm-kv-budget-planned-scaled; this release brings its ranks to one block "
-            "count without resizing their tensors (unify_kv_cache_configs), so each is scaled "
-            "by the model's page size. The user's kv_cache_memory_bytes is new in 0.10.2.",
+        why="The virtual KV size (what vLLM sizes its block table from) and the physical "
+            "limit are separate kvcached settings; the user's kv_cache_memory_bytes (new in "
+            "0.10.2) and num_gpu_blocks_override win. As vllm-kv-budget-planned-scaled, the "
+            "scheduler keeps stock vLLM's blocks and the workers' tensors are scaled to whole "
+            "kvcached pages; these releases bring their ranks to one block count without "
+            "resizing them (unify_kv_cache_configs), so each is scaled by the model's page.",
         retire_when="Never for this range: get_kv_cache_configs, which resizes ranks, arrived "
                     "in 0.11.",
         codemod=_vllm_kv_plan_unified.KVBudgetPlannedForUnifiedRanks,
@@ -1230,10 +1216,11 @@ CODEMODS += [
                "self.model_executor.initialize_from_config(kv_cache_configs)",
         targets=("{package}/v1/engine/core.py",),
         expected_hits=2,
-        why="As vllm-kv-budget, and the user's kv_cache_memory_bytes wins; the scheduler "
-            "keeps exactly stock vLLM's blocks (its capacity, its refusal, its fitted "
-            "max_model_len for every budget): only the workers' KV caches are re-planned, by "
-            "vLLM's own planner, to whole kvcached pages.",
+        why="The virtual KV size and the physical limit are separate kvcached settings; the "
+            "user's kv_cache_memory_bytes wins; the scheduler keeps exactly stock vLLM's "
+            "blocks (its capacity, its refusal, its fitted max_model_len for every budget): "
+            "only the workers' KV caches are re-planned, by vLLM's own planner, to whole "
+            "kvcached pages.",
         retire_when="vLLM sizes KV from a pluggable capacity provider (then kvcached supplies "
                     "the virtual size through it).",
         codemod=_vllm_kv_plan.KVBudgetPlannedInWholePages,

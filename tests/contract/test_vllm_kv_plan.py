@@ -1,5 +1,5 @@
 """The kv-budget seam on the release's own EngineCore (patched sdist tree): vLLM 0.32+, which
-plan a worker through the release's planner, and 0.10 - 0.28, which scale its tensors.
+plan a worker through the release's planner, and 0.9 - 0.28, which scale its tensors.
 
 The patched `EngineCore._initialize_kv_caches` runs on a stand-in core whose executor reports a
 16-layer model's KV specs and layouts, and stops at `initialize_from_config`, where it keeps
@@ -89,8 +89,12 @@ class Core:
 def plan(layout, budget, max_model_len):
     core = Core()
     core.model_executor = Executor(layout, budget)
+    # vLLM 0.9 has no user budget: there the executor's profiled figure is the budget.
+    user = ({{"kv_cache_memory_bytes": budget}}
+            if "kv_cache_memory_bytes" in {{f.name for f in dataclasses.fields(CacheConfig)}}
+            else {{}})
     vllm_config = VllmConfig(model_config=ModelConfig(max_model_len=max_model_len),
-                             cache_config=CacheConfig(kv_cache_memory_bytes=budget))
+                             cache_config=CacheConfig(**user))
     try:
         release.EngineCore._initialize_kv_caches(core, vllm_config)
     except Planned:
@@ -123,7 +127,7 @@ CASES = {
 }
 
 
-# vLLM 0.10 - 0.28: no layout to choose (the executor's answer is never asked for).
+# vLLM 0.9 - 0.28: no layout to choose (the executor's answer is never asked for).
 SCALED_CASES = {
     "per-layer": (None, BUDGET, 256),
     "too-small": (None, SMALL, 1024),

@@ -17,7 +17,6 @@ from codemods.vllm.allocate_slots import NoneOnPoolExhausted
 from codemods.vllm.block_pool import ElasticBlockPoolConstruction
 from codemods.vllm.engine_core import (
     ClosePoolOnShutdown,
-    KVCacheBudget,
     ReleasePagesAfterStep,
 )
 from codemods.vllm.engine_executor import KVSizedWithExecutor
@@ -126,13 +125,6 @@ def test_engine_core_codemods_in_sequence_share_one_import() -> None:
     assert hits == 1
     assert code.count("@_kvcached_vllm.close_on_shutdown") == 1
     assert code.count(IMPORT) == 1
-
-
-def test_kv_budget_wraps_the_profiled_memory() -> None:
-    hits, code = assert_rewrites_fixture(KVCacheBudget, "vllm-kv-budget")
-    assert hits == 1
-    compile(code, "core.py", "exec")
-    assert_idempotent(KVCacheBudget, code)
 
 
 def test_allocate_slots_is_decorated() -> None:

@@ -98,12 +98,12 @@ def test_the_budget_is_left_to_vllm_when_the_workers_plan_is_whole_pages(elastic
                                     executor_backend="uni", world_size=1,
                                     planned_in_whole_pages=True)
     assert kept == USER_BUDGET
-    [rounded] = engine.kv_cache_budget([USER_BUDGET], block_bytes_per_layer=[BLOCK] * LAYERS,
-                                       user_kv_bytes=USER_BUDGET, user_num_blocks=None,
-                                       executor_backend="uni", world_size=1)
-    # Cells without the plan: whole pages of K and V half-blocks, 1,024 blocks.
-    assert rounded == engine.aligned_blocks_quantum([BLOCK] * LAYERS, PAGE) * BLOCK * LAYERS
-    assert rounded // (BLOCK * LAYERS) == 2 * PAGE_BLOCKS
+    # A build whose workers are not planned in whole pages would misalign their regions.
+    with pytest.raises(KVCachedConfigError, match="without planning the workers"):
+        engine.kv_cache_budget([USER_BUDGET], block_bytes_per_layer=[BLOCK] * LAYERS,
+                               user_kv_bytes=USER_BUDGET, user_num_blocks=None,
+                               executor_backend="uni", world_size=1,
+                               planned_in_whole_pages=False)
 
 
 def test_a_worker_plan_of_stock_blocks_is_widened_to_whole_pages(elastic: str) -> None:

@@ -4,9 +4,8 @@ The case: a 16-layer model (Llama 3.2 1B's KV shape: 8 KV heads of 64, bf16, 16-
 with `kv_cache_memory_bytes` = 32 MiB and the default 2 MiB page. One kvcached page of blocks
 across every layer and K/V plane is 64 MiB. The scheduler sizes from the user's bytes as stock
 vLLM does (64 blocks); the workers' tensors are planned for the next whole-page block count
-(`kv_cache_configs_in_whole_pages`, as vLLM 0.10 - 0.28 scale them), which their VMM buffers
-back page by page. vLLM 0.9, which has no user budget, rounds a profiled one down to whole
-pages, never below one.
+(`kv_cache_configs_in_whole_pages`, as vLLM 0.9 - 0.28 scale them), which their VMM buffers
+back page by page.
 """
 
 from __future__ import annotations
@@ -61,25 +60,17 @@ class RankConfig(Config):
 NO_OVERRIDE = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=None))
 
 
-def budget(available: int, *, user_kv_bytes: int | None, planned: bool) -> int:
+def budget(available: int, *, user_kv_bytes: int | None) -> int:
     """What the rewritten EngineCore._initialize_kv_caches hands vLLM for a uni engine."""
     [result] = engine.kv_cache_budget([available], block_bytes_per_layer=[BLOCK_BYTES] * LAYERS,
                                       user_kv_bytes=user_kv_bytes, user_num_blocks=None,
                                       executor_backend="uni", world_size=1,
-                                      planned_in_whole_pages=planned)
+                                      planned_in_whole_pages=True)
     return result
 
 
 def test_a_user_budget_below_one_page_is_sized_as_stock(elastic: str) -> None:
-    assert budget(USER_BUDGET, user_kv_bytes=USER_BUDGET, planned=True) == USER_BUDGET
-
-
-def test_a_profiled_budget_rounds_down_but_never_below_one_page(elastic: str) -> None:
-    # vLLM 0.9: no user budget, and the workers' tensors are not planned again.
-    assert budget(PAGE_OF_BLOCKS * 3 - 1, user_kv_bytes=None, planned=False) == (
-        PAGE_OF_BLOCKS * 2)
-    assert budget(USER_BUDGET, user_kv_bytes=None, planned=False) == PAGE_OF_BLOCKS
-    assert budget(0, user_kv_bytes=None, planned=False) == 0  # vLLM's own "no memory" error
+    assert budget(USER_BUDGET, user_kv_bytes=USER_BUDGET) == USER_BUDGET
 
 
 ShapeOf = Callable[..., tuple[int, ...]]
@@ -91,7 +82,7 @@ ShapeOf = Callable[..., tuple[int, ...]]
 ])
 def test_the_planned_buffers_hold_every_block_stock_vllm_has(
         elastic: str, shape_of: ShapeOf, contiguous: bool) -> None:
-    kv_bytes = budget(USER_BUDGET, user_kv_bytes=USER_BUDGET, planned=True)
+    kv_bytes = budget(USER_BUDGET, user_kv_bytes=USER_BUDGET)
     # vLLM's sizing: the budget over every layer's block, each layer a buffer of those blocks.
     assert kv_bytes // (BLOCK_BYTES * LAYERS) == STOCK_BLOCKS
     names = [f"model.layers.{i}.attn" for i in range(LAYERS)]

@@ -106,19 +106,17 @@ def kv_cache_budget(
     executor_backend: object,
     world_size: int,
     pipeline_size: int = 1,
-    planned_in_whole_pages: bool = False,
+    planned_in_whole_pages: bool = True,
 ) -> list[int]:
     """The KV bytes vLLM sizes its block table from: the virtual KV size.
 
     vLLM's own `kv_cache_memory_bytes` / `num_gpu_blocks_override` win when a user set them;
     otherwise `KVCACHED_VIRTUAL_SIZE` if set, else vLLM's profiled budget.
 
-    `planned_in_whole_pages` (cells whose build also rewrites the workers' KV plan,
-    `kv_cache_configs_in_whole_pages`): the bytes are vLLM's to size from as they are, so
-    the scheduler has exactly stock vLLM's blocks, its capacity check and its fitted model
-    length; the workers' buffers are given whole pages later. Otherwise (vLLM 0.9) the result
-    is whole kvcached pages of blocks in every layer region, what the KV buffers need
-    (`whole_pages_budget`).
+    The bytes are vLLM's to size from as they are, so the scheduler has exactly stock vLLM's
+    blocks, its capacity check and its fitted model length; the workers' buffers are given
+    whole pages later (`kv_cache_configs_in_whole_pages`, which every cell's build calls and
+    says so with `planned_in_whole_pages`; a build that does not is refused).
 
     When the executor runs the workers in other processes, the job is announced here, before
     the workers allocate their KV buffers, so that they serve them to this scheduler: in files
@@ -146,10 +144,13 @@ def kv_cache_budget(
     virtual = virtual_kv_bytes()
     if virtual is not None and not user_kv_bytes and user_num_blocks is None:
         available = [virtual for _ in available]
-    if planned_in_whole_pages:
-        return available
-    quantum = sum(sizes) * aligned_blocks_quantum(sizes, settings.page_size)
-    return [whole_pages_budget(budget, quantum) for budget in available]
+    if not planned_in_whole_pages:
+        # Every cell's build plans its workers in whole pages (`kv_cache_configs_in_whole_pages`);
+        # vLLM's own plan would put layer regions off page boundaries.
+        raise KVCachedConfigError(
+            "elastic KV cache (kvcached): this build sizes the KV budget without planning the "
+            "workers' KV tensors in whole pages; rebuild the cell or set KVCACHED_ENABLE=0")
+    return available
 
 
 #: `plan` for vLLM 0.10, whose ranks keep the tensor bytes they sized when brought to one
@@ -294,22 +295,6 @@ def aligned_blocks_quantum(block_bytes_per_layer: Iterable[int], page_size: int)
         if size % 2 == 0:
             units.add(int(size) // 2)
     return math.lcm(*(choose_block_tiling(unit, page_size).quantum_blocks for unit in units))
-
-
-def whole_pages_budget(budget: int, page_of_blocks: int) -> int:
-    """`budget` bytes as whole kvcached pages of blocks (`page_of_blocks` bytes each), for a
-    cell whose workers are not planned in whole pages (vLLM 0.9, whose only budget is the
-    profiled one or `KVCACHED_VIRTUAL_SIZE`): rounded down (profiling found no more free),
-    but never below one page: a budget too small for a page still starts, as the stock
-    engine does.
-    """
-    if budget <= 0:
-        return budget  # vLLM's own "no memory for the KV cache" error stays vLLM's
-    rounded = max(1, budget // page_of_blocks) * page_of_blocks
-    if rounded != budget:
-        logger.info("kvcached: KV budget of %d bytes rounded to %d (whole %d-byte pages of "
-                    "blocks)", budget, rounded, page_of_blocks)
-    return rounded
 
 
 def _scheduler_block_pool(core: Any) -> ElasticBlockPoolMixin | None:
