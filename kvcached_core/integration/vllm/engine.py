@@ -153,7 +153,7 @@ def kv_cache_budget(
     return available
 
 
-#: `plan` for vLLM 0.10, whose ranks keep the tensor bytes they sized when brought to one
+#: `plan` for vLLM 0.9 - 0.10, whose ranks keep the tensor bytes they sized when brought to one
 #: block count: each tensor is scaled by the model's page size rather than by its own bytes
 #: per block (`_tensor_block_bytes`).
 RANKS_KEEP_THEIR_BYTES = "ranks-keep-their-bytes"
@@ -176,9 +176,9 @@ def kv_cache_configs_in_whole_pages(
     again for the next multiple the way the release re-plans a rank for another block count
     itself: by its planner (`plan(groups, num_blocks)`, vLLM 0.29 and later) or, where the
     release scales each KVCacheTensor's size with the block count instead (`plan=None`, vLLM
-    0.11 - 0.28, whose workers lay a buffer out from its size; `RANKS_KEEP_THEIR_BYTES`, 0.10),
-    by that scaling. The extra
-    blocks are address space the scheduler never hands out, mapped never.
+    0.11 - 0.28, whose workers lay a buffer out from its size; `RANKS_KEEP_THEIR_BYTES`, 0.9 -
+    0.10), by that scaling. The extra blocks are address space the scheduler never hands out,
+    mapped never.
     `num_gpu_blocks_override` is the scheduler's figure, so it is set aside while planning.
     """
     settings = engine_settings()
@@ -190,7 +190,7 @@ def kv_cache_configs_in_whole_pages(
         quantum = _whole_page_blocks(config, settings.page_size, by_page=by_page)
         blocks = int(config.num_blocks)
         wanted = -(-blocks // quantum) * quantum
-        # Already whole pages (a vLLM 0.10 rank that kept more bytes than the common block
+        # Already whole pages (a vLLM 0.9 - 0.10 rank that kept more bytes than the common block
         # count is scaled to it all the same: its worker would lay out all of them).
         if wanted == blocks and not (by_page and any(
                 _tensor_block_bytes(config, t, by_page=True) * blocks != int(t.size)
@@ -233,10 +233,10 @@ def _tensor_block_bytes(config: Any, tensor: Any, *, by_page: bool) -> int:
     """The bytes of one of `config`'s blocks in KVCacheTensor `tensor`.
 
     From 0.11 a rank's tensors are resized with its block count: a tensor is `num_blocks`
-    whole blocks. vLLM 0.10 brings its ranks to one block count without resizing them
+    whole blocks. vLLM 0.9 - 0.10 bring their ranks to one block count without resizing them
     (`unify_kv_cache_configs`: a rank that sized more blocks keeps their bytes, and its
     worker lays out `size // page_size_bytes` blocks), so there (`by_page`) a block is the
-    page size every layer of the model shares (0.10 plans no other model). Anything else is
+    page size every layer of the model shares (they plan no other model). Anything else is
     refused, not guessed.
     """
     size, blocks = int(tensor.size), int(config.num_blocks)
