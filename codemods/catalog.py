@@ -16,6 +16,7 @@ from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneModule
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_swa import ElasticSWAAllocator, RefusePureSWAAllocator
+from codemods.sglang.allocator_swa_before_budget import ElasticSWAAllocatorBeforeBudget
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
 from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
@@ -26,7 +27,6 @@ from codemods.sglang.allocators_free_group_flag import (
 from codemods.sglang.allocators_one_module import ElasticPagedAllocatorCountsItsPages
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.capacity_model_runner import KVBudgetCapacityModelRunner
-from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
 from codemods.sglang.config_guard_mixin_envs_local import RefuseUnsupportedAtInitMemoryPoolEnvsLocal
 from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMemoryPool
 from codemods.sglang.config_guard_runner_gdn import RefuseUnsupportedAtRunnerInitMemoryPoolGdn
@@ -50,11 +50,14 @@ from codemods.sglang.profile_max_num_token import (
     KVBudgetCapacityTokens,
 )
 from codemods.sglang.scheduler_capacity import (
-    SchedulerCapacityAllocatorDecodeCheck,
     SchedulerCapacityAvailableSizeSufficient,
     SchedulerCapacityBatchEviction,
     SchedulerCapacityCheckDecodeMem,
     SchedulerCapacityRetractReads,
+)
+from codemods.sglang.scheduler_capacity_sides import (
+    SchedulerCapacitySidesAllocatorDecodeCheck,
+    SchedulerCapacitySidesCheckDecodeMem,
 )
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
@@ -129,11 +132,11 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("sglang", "scheduler-capacity", versions="<0.5.21",
                  note="up to 0.5.20 the scheduler reads the free capacity itself for admission, "
                       "the decode check and eviction; from 0.5.21 it asks the allocator"),
-    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.21",
-                 note="from 0.5.21 the hybrid sliding-window allocator owns its capacity gates "
-                      "(mem_cache/allocator/swa.py), so a window model is served elastic there "
-                      "and refused by the configuration guard before"),
-    RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.21",
+    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.17",
+                 note="the hybrid sliding-window allocator (mem_cache/allocator/swa.py) gates "
+                      "and allocates over its two elastic sides, so a window model is served "
+                      "elastic from 0.5.17 and refused by the configuration guard before"),
+    RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.17",
                  note="the all-window allocator (PureSWATokenToKVPoolAllocator) derives from "
                       "the stock composite, above the elastic one in its module"),
 )
@@ -200,7 +203,6 @@ _SGLANG_TREE_RELEASE = ">=0.4.10,<0.5.9"
 # 0.5.20. Both allocators live in mem_cache/allocator.py up to 0.5.12 (a package from 0.5.13),
 # and the paged alloc_extend takes the batch's new-page count from 0.5.12.
 _SGLANG_NEWER_API = ">=0.5.20,<0.5.24"
-_SGLANG_GET_EXEC = ">=0.5.17,<0.5.21"
 _SGLANG_TOKEN_FREE_GROUP_FLAG = ">=0.5.13,<0.5.18"
 _SGLANG_TOKEN_FLAG_COPIES = ">=0.5.18,<0.5.19"
 _SGLANG_TOKEN_FREE_GROUP_NONE = ">=0.5.19,<0.5.20"
@@ -254,7 +256,14 @@ _SGLANG_0517_DATE = "2026-12-04"
 _SGLANG_055_DATE = "2026-12-02"
 _SGLANG_PRESSURE_DATE = "2026-12-06"
 _SGLANG_SWA_DATE = "2026-12-06"
-_SGLANG_SWA = ">=0.5.21,<0.5.24"
+_SGLANG_SWA_0517_DATE = "2026-12-07"
+# Hybrid sliding-window models are served elastic from 0.5.17 (get_exec() and the
+# configurator's is_hybrid_swa / mambaish_config, which the guard reads). From 0.5.21 the
+# scheduler asks the composite allocator for its prefill budget and evictions; 0.5.17 - 0.5.20
+# read its full and window sizes themselves (sglang-scheduler-capacity's side reads).
+_SGLANG_SWA = ">=0.5.17,<0.5.24"
+_SGLANG_SWA_ASKED = ">=0.5.21,<0.5.24"
+_SGLANG_SWA_READ = ">=0.5.17,<0.5.21"
 # Where the scheduler reads the allocator's capacity itself (up to 0.5.20):
 # codemods/sglang/scheduler_capacity.py names the scopes of each release.
 _SGLANG_POLICY = "{package}/srt/managers/schedule_policy.py"
@@ -741,22 +750,6 @@ CODEMODS += [
         last_update=_SGLANG_055_DATE,
     ),
     CodemodDeclaration(
-        id="sglang-refuse-unsupported",
-        seam="config-guard",
-        engine="sglang",
-        versions=_SGLANG_GET_EXEC,
-        anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
-        targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
-        expected_hits=1,
-        why="The memory saver, custom memory pools, post-capture KV sizing and hybrid pools "
-            "own or resize KV memory themselves; with elastic memory they must stop start-up "
-            "with a clear message instead of failing later.",
-        retire_when="Each of those paths is made elastic.",
-        codemod=RefuseUnsupportedAtConfigure,
-        forwarded="not-needed",
-        last_update=_SGLANG_DATE,
-    ),
-    CodemodDeclaration(
         id="sglang-refuse-unsupported-swa",
         seam="config-guard",
         engine="sglang",
@@ -779,7 +772,7 @@ CODEMODS += [
         id="sglang-swa-allocator",
         seam="swa-allocator",
         engine="sglang",
-        versions=_SGLANG_SWA,
+        versions=_SGLANG_SWA_ASKED,
         anchor="sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator",
         targets=("{package}/srt/mem_cache/allocator/swa.py",),
         expected_hits=1,
@@ -792,6 +785,23 @@ CODEMODS += [
         codemod=ElasticSWAAllocator,
         forwarded="no",
         last_update=_SGLANG_SWA_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-swa-allocator-before-budget",
+        seam="swa-allocator",
+        engine="sglang",
+        versions=_SGLANG_SWA_READ,
+        anchor="sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator (no "
+               "create_prefill_budget / evict_to_free_tokens yet)",
+        targets=("{package}/srt/mem_cache/allocator/swa.py",),
+        expected_hits=1,
+        why="sglang-swa-allocator where the composite has no prefill budget or eviction of its "
+            "own: its scheduler reads the full and window sizes itself, pointed at each side's "
+            "limit by sglang-scheduler-capacity; allocations take both sides' pages or neither.",
+        retire_when="The oldest SGLang cell asks the composite for its prefill budget (0.5.21).",
+        codemod=ElasticSWAAllocatorBeforeBudget,
+        forwarded="no",
+        last_update=_SGLANG_SWA_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-pure-swa-refused",
@@ -971,23 +981,25 @@ CODEMODS += [
         engine="sglang",
         versions=">=0.5.19,<0.5.21",
         anchor="sglang.srt.managers.schedule_policy.PrefillAdder.rem_total_tokens / "
-               "cur_rem_tokens; sglang.srt.mem_cache.common.evict_from_tree_cache (start)",
+               "cur_rem_tokens / rem_swa_tokens; sglang.srt.mem_cache.common."
+               "evict_from_tree_cache (start)",
         targets=(_SGLANG_POLICY, _SGLANG_COMMON),
-        expected_hits=5,
+        expected_hits="10..11",
         why=("SGLang up to 0.5.20 admits requests and evicts before an allocation by reading the "
-            "logical free capacity; under a lowered limit or a spent budget the refused "
-            "allocation stops the engine. The reads see what the pool can allocate now and "
-            "the eviction frees what the limit withholds, so requests wait instead."),
+            "logical free capacity (a sliding-window model's full and window sides apart); "
+            "under a lowered limit or a spent budget the refused allocation stops the engine. "
+            "The reads see what the pool, or each side, can allocate now and the eviction "
+            "frees what the limit withholds, so requests wait instead."),
         retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
-        codemod=SchedulerCapacityAllocatorDecodeCheck,
+        codemod=SchedulerCapacitySidesAllocatorDecodeCheck,
         forwarded="no",
-        last_update=_SGLANG_PRESSURE_DATE,
+        last_update=_SGLANG_SWA_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-scheduler-capacity-check-decode-mem",
         seam="scheduler-capacity",
         engine="sglang",
-        versions=">=0.5.9,<0.5.19",
+        versions=">=0.5.9,<0.5.17",
         anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
                "sglang-scheduler-capacity's places",
         targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
@@ -998,6 +1010,23 @@ CODEMODS += [
         codemod=SchedulerCapacityCheckDecodeMem,
         forwarded="no",
         last_update=_SGLANG_PRESSURE_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-scheduler-capacity-sides-check-decode-mem",
+        seam="scheduler-capacity",
+        engine="sglang",
+        versions=">=0.5.17,<0.5.19",
+        anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
+               "sglang-scheduler-capacity's places",
+        targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
+        expected_hits=11,
+        why=("sglang-scheduler-capacity (with a sliding-window model's side reads, served from "
+            "0.5.17) where the decode check reads the capacity itself "
+            "(ScheduleBatch.check_decode_mem)."),
+        retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
+        codemod=SchedulerCapacitySidesCheckDecodeMem,
+        forwarded="no",
+        last_update=_SGLANG_SWA_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-scheduler-capacity-available-size-sufficient",

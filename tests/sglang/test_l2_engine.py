@@ -301,6 +301,9 @@ WINDOW_PAGE = PAGE * 3 * 2
 # others' windows; a smaller one aborts requests with SGLang's "Out of memory even after
 # retracting all other requests", as a small stock window pool would.
 LIMITS = {"full": 12 * FULL_PAGE, "swa": 8 * WINDOW_PAGE}
+# Either variant of the elastic sliding-window allocator (from 0.5.21 the scheduler asks it for
+# its budget; 0.5.17 - 0.5.20 read its sides through sglang-scheduler-capacity's side reads).
+WINDOW_ALLOCATOR = ("sglang-swa-allocator", "sglang-swa-allocator-before-budget")
 
 
 def run_window_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool,
@@ -334,7 +337,7 @@ def stock_window_run(tmp_path_factory: pytest.TempPathFactory, stock_venv: Engin
                              elastic=False)
 
 
-@pytest.mark.cell_needs("sglang-swa-allocator")
+@pytest.mark.cell_needs(WINDOW_ALLOCATOR)
 def test_window_model_matches_stock_and_its_window_pool_stays_the_window(
         stock_window_run: dict, patched_venv: EngineVenv, window_model: Path,
         tmp_path: Path) -> None:
@@ -360,7 +363,7 @@ def test_window_model_matches_stock_and_its_window_pool_stays_the_window(
     assert long_window <= WINDOW_PAGE * 2, kv  # a 32-token window: at most 2 pages
 
 
-@pytest.mark.cell_needs("sglang-swa-allocator")
+@pytest.mark.cell_needs(WINDOW_ALLOCATOR)
 def test_window_model_under_a_limit_below_its_burst_waits_not_fails(
         stock_window_run: dict, patched_venv: EngineVenv, window_model: Path,
         tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from codemods.sglang.allocator_paged_device_lengths import ElasticPagedAllocator
 from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneModule
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_swa import ElasticSWAAllocator, RefusePureSWAAllocator
+from codemods.sglang.allocator_swa_before_budget import ElasticSWAAllocatorBeforeBudget
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
 from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
@@ -29,7 +30,6 @@ from codemods.sglang.allocators_free_group_flag import (
 from codemods.sglang.allocators_one_module import ElasticPagedAllocatorCountsItsPages
 from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.capacity_model_runner import KVBudgetCapacityModelRunner
-from codemods.sglang.config_guard import RefuseUnsupportedAtConfigure
 from codemods.sglang.config_guard_mixin_envs_local import (
     RefuseUnsupportedAtInitMemoryPoolEnvsLocal,
 )
@@ -54,9 +54,10 @@ from codemods.sglang.profile_max_num_token import (
     ElasticKVProfileMemoryTokens,
     KVBudgetCapacityTokens,
 )
-from codemods.sglang.scheduler_capacity import (
-    SchedulerCapacityAllocatorDecodeCheck,
-    SchedulerCapacityBatchEviction,
+from codemods.sglang.scheduler_capacity import SchedulerCapacityBatchEviction
+from codemods.sglang.scheduler_capacity_sides import (
+    SchedulerCapacitySidesAllocatorDecodeCheck,
+    SchedulerCapacitySidesCheckDecodeMem,
 )
 from codemods.sglang.startup_memory import ElasticKVProfileMemory, ElasticPreModelLoadMemory
 from codemods.sglang.startup_memory_at_init import ElasticPreModelLoadMemoryAtInit
@@ -176,7 +177,7 @@ def test_token_allocator_gets_an_elastic_subclass_and_a_guarded_rebinding() -> N
     # 0.5.6's guard needs the runner's is_hybrid_swa (is_hybrid up to 0.5.5)
     (RefuseUnsupportedAtRunnerInitMemoryPoolSwa, fixture("sglang-refuse-unsupported-runner")),
     # the ServerArgs guard needs the configurator's server_args and no get_exec() settings
-    (RefuseUnsupportedAtConfigureServerArgs, fixture("sglang-refuse-unsupported")),
+    (RefuseUnsupportedAtConfigureServerArgs, fixture("sglang-refuse-unsupported-swa")),
     (RefuseUnsupportedAtConfigureServerArgs,
      "from sglang.srt.runtime_context import get_exec\n" + GUARD_0516),
     # the inline-buffers pool (0.5.13) and the _create_buffers_normal pools (0.5.16 on) refuse
@@ -255,7 +256,6 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (ElasticMLAPool, "sglang-mla-pool"),
     (ElasticPagedAllocator, "sglang-paged-allocator"),
     (KVBudgetCapacity, "sglang-kv-budget"),
-    (RefuseUnsupportedAtConfigure, "sglang-refuse-unsupported"),
     (BoundPrefixCacheOnRelease, "sglang-prefix-cache-bound"),
     (ElasticPreModelLoadMemoryAtInit, "sglang-startup-free-memory-at-init"),
     (ElasticTokenAllocatorFreeGroupFlag, "sglang-token-allocator-free-group-flag"),
@@ -287,6 +287,7 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (RefuseUnsupportedAtRunnerInitMemoryPoolSwa, "sglang-refuse-unsupported-runner-swa"),
     (RefuseUnsupportedAtConfigureSwa, "sglang-refuse-unsupported-swa"),
     (ElasticSWAAllocator, "sglang-swa-allocator"),
+    (ElasticSWAAllocatorBeforeBudget, "sglang-swa-allocator-before-budget"),
     (RefusePureSWAAllocator, "sglang-pure-swa-refused"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
@@ -319,6 +320,8 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
             (ElasticTokenAllocatorFreeGroupNone, "sglang-token-allocator-free-group-none",
              "TokenToKVPoolAllocator"),
             (ElasticSWAAllocator, "sglang-swa-allocator", "SWATokenToKVPoolAllocator"),
+            (ElasticSWAAllocatorBeforeBudget, "sglang-swa-allocator-before-budget",
+             "SWATokenToKVPoolAllocator"),
             (RefusePureSWAAllocator, "sglang-pure-swa-refused",
              "PureSWATokenToKVPoolAllocator")]:
         body = fixture(transform_id).split(f"class {cls}", 1)[1].split("\nclass ", 1)[0]
@@ -369,11 +372,12 @@ def test_prefix_bound_needs_release_kv_cache() -> None:
 
 def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -> None:
     sglang = {t.id: t for t in CODEMODS if t.engine == "sglang"}
-    newer_api = {"sglang-token-allocator", "sglang-paged-allocator",
-                 "sglang-refuse-unsupported"}
-    # from 0.5.21 the sliding-window allocator is elastic and the guard lets window models in
-    window_api = newer_api - {"sglang-refuse-unsupported"} | {
-        "sglang-refuse-unsupported-swa", "sglang-swa-allocator", "sglang-pure-swa-refused"}
+    newer_api = {"sglang-token-allocator", "sglang-paged-allocator"}
+    # from 0.5.17 the sliding-window allocator is elastic and the guard lets window models in;
+    # up to 0.5.20 the scheduler reads the composite's sides itself
+    window = {"sglang-refuse-unsupported-swa", "sglang-pure-swa-refused"}
+    window_api = newer_api | window | {"sglang-swa-allocator"}
+    window_read = window | {"sglang-swa-allocator-before-budget"}
     older_api = {"sglang-token-allocator-free-group-flag",
                  "sglang-paged-allocator-free-group-flag"}
     configurator = {"sglang-kv-budget", "sglang-kv-profile-free-memory"}
@@ -383,6 +387,7 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
     # every SGLang cell from 0.5.10 takes the same one; the rest are one variant of a seam
     # that moved
     check_decode_mem = "sglang-scheduler-capacity-check-decode-mem"
+    sides_check_decode_mem = "sglang-scheduler-capacity-sides-check-decode-mem"
     same_everywhere = {"sglang-mla-pool", "sglang-prefix-cache-bound"}
     variants = {
         "0.5.23": {"sglang-mha-pool", "sglang-startup-free-memory", *window_api,
@@ -392,19 +397,21 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
         "0.5.21": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory", *window_api,
                    *configurator},
         "0.5.20": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   "sglang-scheduler-capacity", *newer_api, *configurator},
+                   "sglang-scheduler-capacity", *newer_api, *window_read, *configurator},
         # 0.5.17 - 0.5.19 mix the two allocator APIs: 0.5.20's guard, a paged variant that
         # ends in _release_page_ids, and the token allocator of their own free group
         "0.5.19": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
+                   "sglang-paged-allocator-release-page-ids",
                    "sglang-token-allocator-free-group-none", "sglang-scheduler-capacity",
-                   *configurator},
+                   *window_read, *configurator},
         "0.5.18": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
-                   "sglang-token-allocator-copies-deferred", check_decode_mem, *configurator},
+                   "sglang-paged-allocator-release-page-ids",
+                   "sglang-token-allocator-copies-deferred", sides_check_decode_mem,
+                   *window_read, *configurator},
         "0.5.17": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   "sglang-refuse-unsupported", "sglang-paged-allocator-release-page-ids",
-                   "sglang-token-allocator-free-group-flag", check_decode_mem, *configurator},
+                   "sglang-paged-allocator-release-page-ids",
+                   "sglang-token-allocator-free-group-flag", sides_check_decode_mem,
+                   *window_read, *configurator},
         "0.5.16": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
                    "sglang-refuse-unsupported-server-args", check_decode_mem, *older_api,
                    *configurator},
@@ -475,7 +482,10 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
 
 
 @pytest.mark.parametrize(("codemod", "transform_id", "hits"), [
-    (SchedulerCapacityAllocatorDecodeCheck, "sglang-scheduler-capacity", 3),
+    # the full and window sides' reads (one through a local `allocator`) count too
+    (SchedulerCapacitySidesAllocatorDecodeCheck, "sglang-scheduler-capacity", 5),
+    (SchedulerCapacitySidesCheckDecodeMem, "sglang-scheduler-capacity-sides-check-decode-mem",
+     7),
     # the read in a function nested in retract_decode counts; the import goes in the method
     (SchedulerCapacityBatchEviction, "sglang-scheduler-capacity-batch-eviction", 4),
 ])
@@ -488,9 +498,13 @@ def test_scheduler_capacity_rewrites_the_decisions_and_nothing_else(
     again, same = run(codemod, code)
     assert (again.hits, same) == (0, code) and again.already_applied > 0
     if transform_id == "sglang-scheduler-capacity":
-        # the hybrid branch's full_available_size() and a metrics read stay as they were
-        assert "self.token_to_kv_pool_allocator.full_available_size()" in code
-        assert "return self.token_to_kv_pool_allocator.available_size()" in code
+        # metrics reads stay as they were
+        assert "return allocator.available_size(), allocator.swa_available_size()" in code
+    if transform_id == "sglang-scheduler-capacity-sides-check-decode-mem":
+        # the stock eviction's own side reads and a metrics read stay as they were
+        assert code.count("allocator.full_available_size()") == 2
+        assert code.count("allocator.swa_available_size()") == 2
+        assert "_kvcached_allocatable_size(self.token_to_kv_pool_allocator) >= num_tokens" in code
 
 
 def test_scheduler_capacity_helpers_see_the_limit_and_leave_stock_allocators_alone() -> None:
@@ -526,3 +540,57 @@ def test_scheduler_capacity_helpers_see_the_limit_and_leave_stock_allocators_alo
     evict_under_limit(elastic, 10)
     assert elastic.evicted == [18]  # the 10 asked for and the 8 the limit withholds
     evict_under_limit(None, 10)  # no tree: nothing to do
+
+
+def test_side_reads_see_each_sides_limit_and_evict_each_sides_shortfall() -> None:
+    """0.5.17 - 0.5.20: the admission reads of a sliding-window model's full and window
+    sides, and the eviction before an allocation, under each side's own limit."""
+    from kvcached_core.integration.sglang.capacity import evict_under_limit, side_allocatable_size
+
+    class Side:
+        def __init__(self, allocatable: int) -> None:
+            self.allocatable = allocatable
+
+        def kvcached_allocatable_size(self) -> int:
+            return self.allocatable
+
+    class Composite:  # the elastic composite's shape (swa.py)
+        def __init__(self) -> None:
+            self.full_attn_allocator, self.swa_attn_allocator = Side(40), Side(-3)
+            self.evicted_for: list[int] = []
+
+        def full_available_size(self) -> int:
+            return 500  # logical: what SGLang's leak check conserves
+
+        def swa_available_size(self) -> int:
+            return 200
+
+        def kvcached_allocatable_size(self) -> int:
+            return min(self.full_attn_allocator.allocatable, self.swa_attn_allocator.allocatable)
+
+        def evict_to_free_tokens(self, tree_cache: object, num_tokens: int) -> None:
+            self.evicted_for.append(num_tokens)
+
+    class StockComposite:
+        full_attn_allocator = swa_attn_allocator = object()
+
+        def full_available_size(self) -> int:
+            return 500
+
+        def swa_available_size(self) -> int:
+            return 200
+
+    elastic = Composite()
+    assert side_allocatable_size(elastic, "full") == 40
+    assert side_allocatable_size(elastic, "swa") == -3  # 3 slots over a lowered window limit
+    assert side_allocatable_size(StockComposite(), "full") == 500
+    assert side_allocatable_size(StockComposite(), "swa") == 200
+
+    class Tree:
+        token_to_kv_pool_allocator = elastic
+
+        def evictable_size(self) -> int:
+            raise AssertionError("a composite's eviction is its own, side by side")
+
+    evict_under_limit(Tree(), 16)
+    assert elastic.evicted_for == [16]

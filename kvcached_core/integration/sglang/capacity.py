@@ -11,8 +11,10 @@ out-of-memory path, which stops the engine.
 
 The seam `sglang-scheduler-capacity` (`codemods/sglang/scheduler_capacity.py`) therefore
 rewrites exactly the reads that decide admission, retraction and the decode check to
-`allocatable_size`, and calls `evict_under_limit` at the start of the release's eviction
-before an allocation. The leak check and the metrics keep reading the logical size.
+`allocatable_size` (and, for a hybrid sliding-window model's two sides from 0.5.17,
+`side_allocatable_size`: `codemods/sglang/scheduler_capacity_sides.py`), and calls
+`evict_under_limit` at the start of the release's eviction before an allocation. The leak check
+and the metrics keep reading the logical size.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ def allocatable_size(allocator: Any) -> int:
     return int(ask())
 
 
+def side_allocatable_size(allocator: Any, side: str) -> int:
+    """What one side ("full" or "swa") of a hybrid sliding-window allocator can allocate now:
+    under that side's pool limit and the budget when the side is elastic, the stock figure
+    (`full_available_size()` / `swa_available_size()`) otherwise."""
+    ask = getattr(getattr(allocator, f"{side}_attn_allocator", None),
+                  "kvcached_allocatable_size", None)
+    if ask is None:
+        return int(getattr(allocator, f"{side}_available_size")())
+    return int(ask())
+
+
 def evict_under_limit(tree_cache: Any, num_tokens: int) -> None:
     """Evict the prefix cache's least recently used entries until `num_tokens` slots are
     allocatable under the physical limit, or nothing evictable is left.
@@ -42,8 +55,13 @@ def evict_under_limit(tree_cache: Any, num_tokens: int) -> None:
         return
     allocator = getattr(tree_cache, "token_to_kv_pool_allocator", None)
     ask = getattr(allocator, "kvcached_allocatable_size", None)
-    if ask is None:
+    if allocator is None or ask is None:
         return  # not an elastic allocator: the stock eviction is exact
+    if getattr(allocator, "swa_attn_allocator", None) is not None:
+        # The elastic sliding-window composite (swa.py): each side's shortfall under its
+        # own limit, the window side's as window tokens.
+        allocator.evict_to_free_tokens(tree_cache, num_tokens)
+        return
     shortfall = int(num_tokens) - int(ask())
     if shortfall <= 0 or int(tree_cache.evictable_size()) <= 0:
         return  # enough, or a tree that keeps nothing (the chunk cache)

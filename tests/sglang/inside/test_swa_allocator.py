@@ -1,9 +1,11 @@
 """The hybrid sliding-window allocator: two elastic sides, gated and allocated together.
 
 A window model's pools are an SWAKVPool of two MHA pools (full-attention layers, window
-layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.21 the
+layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.17 the
 composite is elastic (`kvcached_core/integration/sglang/swa.py`): the cells from there list
-this file in their L1 tests. Before, the configuration guard refuses window models.
+this file in their L1 tests. Before, the configuration guard refuses window models. From
+0.5.21 the scheduler asks the composite for its admission budget; 0.5.17 - 0.5.20 read its
+full and window sizes in `PrefillAdder` themselves, rewritten to each side's limit.
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def test_a_window_freed_early_gives_its_pages_back_while_the_full_side_keeps_its
     assert mapped(window) <= held_window - 2 and mapped(full) == held_full
     assert allocator.swa_available_size() == WINDOW - TOKENS_PER_PAGE
     allocator.free_swa(slots[3 * TOKENS_PER_PAGE:])
-    allocator.free_full(slots)
+    # The full side alone: free_full from 0.5.19, the sub-allocator's own free before.
+    getattr(allocator, "free_full", full.free)(slots)
     assert (allocator.full_available_size(), allocator.swa_available_size()) == (FULL, WINDOW)
 
 
@@ -136,6 +139,9 @@ def test_the_admission_budget_counts_what_each_side_withholds(window_setup) -> N
     _, allocator = window_setup
     _, window = sides(allocator)
     kv = window.kvcached_pool
+    if not hasattr(SWA.BaseTokenToKVPoolAllocator, "create_prefill_budget"):
+        admission_reads_of_the_release_see_each_side(allocator)
+        return
 
     class NoTree:
         def full_evictable_size(self) -> int:
@@ -162,3 +168,34 @@ def test_the_all_window_allocator_is_refused(window_setup) -> None:
     with pytest.raises(KVCachedConfigError, match="every layer uses a sliding window"):
         cls(WINDOW, 1, torch.bfloat16, "cpu", pool, False)
 
+
+
+def admission_reads_of_the_release_see_each_side(allocator: object) -> None:
+    """0.5.17 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
+    rewrote those reads, sglang-scheduler-capacity); each sees its side's limit."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    class NoTree:
+        def full_evictable_size(self) -> int:
+            return 0
+
+        def swa_evictable_size(self) -> int:
+            return 0
+
+    adder = object.__new__(PrefillAdder)  # only the fields the capacity reads use
+    fields = {"token_to_kv_pool_allocator": allocator, "tree_cache": NoTree(),
+              "is_all_swa": False, "is_hybrid_swa": True, "is_hybrid_ssm_cache": False,
+              "rem_total_token_offset": 0, "cur_rem_token_offset": 0,
+              "rem_swa_token_offset": 0, "_swa_req_ring": False}
+    for name, value in fields.items():
+        setattr(adder, name, value)
+    assert (adder.rem_total_tokens, adder.cur_rem_tokens, adder.rem_swa_tokens) == (
+        FULL, FULL, WINDOW)
+    full, window = sides(allocator)
+    kv = window.kvcached_pool
+    kv.set_limit(kv.geometry.page_bytes_all_layers)
+    assert adder.rem_swa_tokens == TOKENS_PER_PAGE - 1
+    assert (adder.rem_total_tokens, adder.cur_rem_tokens) == (FULL, FULL)
+    full.kvcached_pool.set_limit(full.kvcached_pool.geometry.page_bytes_all_layers)
+    assert adder.rem_total_tokens == adder.cur_rem_tokens == TOKENS_PER_PAGE - 1
+    assert allocator.swa_available_size() == WINDOW  # the logical sizes stay SGLang's
