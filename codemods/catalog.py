@@ -132,11 +132,11 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("sglang", "scheduler-capacity", versions="<0.5.21",
                  note="up to 0.5.20 the scheduler reads the free capacity itself for admission, "
                       "the decode check and eviction; from 0.5.21 it asks the allocator"),
-    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.17",
+    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.16",
                  note="the hybrid sliding-window allocator (mem_cache/allocator/swa.py) gates "
                       "and allocates over its two elastic sides, so a window model is served "
-                      "elastic from 0.5.17 and refused by the configuration guard before"),
-    RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.17",
+                      "elastic from 0.5.16 and refused by the configuration guard before"),
+    RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.16",
                  note="the all-window allocator (PureSWATokenToKVPoolAllocator) derives from "
                       "the stock composite, above the elastic one in its module"),
 )
@@ -257,13 +257,15 @@ _SGLANG_055_DATE = "2026-12-02"
 _SGLANG_PRESSURE_DATE = "2026-12-06"
 _SGLANG_SWA_DATE = "2026-12-06"
 _SGLANG_SWA_0517_DATE = "2026-12-07"
-# Hybrid sliding-window models are served elastic from 0.5.17 (get_exec() and the
-# configurator's is_hybrid_swa / mambaish_config, which the guard reads). From 0.5.21 the
-# scheduler asks the composite allocator for its prefill budget and evictions; 0.5.17 - 0.5.20
-# read its full and window sizes themselves (sglang-scheduler-capacity's side reads).
-_SGLANG_SWA = ">=0.5.17,<0.5.24"
+# Hybrid sliding-window models are served elastic from 0.5.16 (the configurator's
+# is_hybrid_swa / mambaish_config, which the guard reads: through get_exec() from 0.5.17, from
+# the ServerArgs in 0.5.16). From 0.5.21 the scheduler asks the composite allocator for its
+# prefill budget and evictions; 0.5.16 - 0.5.20 read its full and window sizes themselves
+# (sglang-scheduler-capacity's side reads).
+_SGLANG_SWA = ">=0.5.16,<0.5.24"
+_SGLANG_SWA_GET_EXEC = ">=0.5.17,<0.5.24"
 _SGLANG_SWA_ASKED = ">=0.5.21,<0.5.24"
-_SGLANG_SWA_READ = ">=0.5.17,<0.5.21"
+_SGLANG_SWA_READ = ">=0.5.16,<0.5.21"
 # Where the scheduler reads the allocator's capacity itself (up to 0.5.20):
 # codemods/sglang/scheduler_capacity.py names the scopes of each release.
 _SGLANG_POLICY = "{package}/srt/managers/schedule_policy.py"
@@ -753,7 +755,7 @@ CODEMODS += [
         id="sglang-refuse-unsupported-swa",
         seam="config-guard",
         engine="sglang",
-        versions=_SGLANG_SWA,
+        versions=_SGLANG_SWA_GET_EXEC,
         anchor="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure "
                "(hybrid sliding-window models served)",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
@@ -828,13 +830,14 @@ CODEMODS += [
                "(server_args field, no get_exec)",
         targets=("{package}/srt/mem_cache/kv_cache_configurator.py",),
         expected_hits=1,
-        why="The guard of sglang-refuse-unsupported where the configurator still holds the "
-            "ServerArgs: 0.5.16 has no get_exec(), so the memory-saver flag is read from "
-            "self.server_args.",
+        why="The guard of sglang-refuse-unsupported-swa (hybrid sliding-window models pass) "
+            "where the configurator still holds the ServerArgs: 0.5.16 has no get_exec() or "
+            "get_memory(), so the memory saver, unified memory and the hierarchical cache are "
+            "read from self.server_args.",
         retire_when="The oldest SGLang cell reads its settings through get_exec() (0.5.17).",
         codemod=RefuseUnsupportedAtConfigureServerArgs,
         forwarded="not-needed",
-        last_update=_SGLANG_0516_DATE,
+        last_update=_SGLANG_SWA_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-refuse-unsupported-model-runner",
@@ -999,7 +1002,7 @@ CODEMODS += [
         id="sglang-scheduler-capacity-check-decode-mem",
         seam="scheduler-capacity",
         engine="sglang",
-        versions=">=0.5.9,<0.5.17",
+        versions=">=0.5.9,<0.5.16",
         anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
                "sglang-scheduler-capacity's places",
         targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
@@ -1015,13 +1018,13 @@ CODEMODS += [
         id="sglang-scheduler-capacity-sides-check-decode-mem",
         seam="scheduler-capacity",
         engine="sglang",
-        versions=">=0.5.17,<0.5.19",
+        versions=">=0.5.16,<0.5.19",
         anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
                "sglang-scheduler-capacity's places",
         targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
         expected_hits=11,
         why=("sglang-scheduler-capacity (with a sliding-window model's side reads, served from "
-            "0.5.17) where the decode check reads the capacity itself "
+            "0.5.16) where the decode check reads the capacity itself "
             "(ScheduleBatch.check_decode_mem)."),
         retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
         codemod=SchedulerCapacitySidesCheckDecodeMem,

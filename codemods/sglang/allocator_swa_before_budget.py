@@ -1,4 +1,4 @@
-"""Seam swa-allocator, 0.5.17 - 0.5.20: the sliding-window composite before SGLang asks it for
+"""Seam swa-allocator, 0.5.16 - 0.5.20: the sliding-window composite before SGLang asks it for
 its prefill budget, its eviction and its decode-node reclaim.
 
 The same appended subclass and mixin as ``allocator_swa`` (``ElasticSWAAllocatorMixin``); what

@@ -1,11 +1,13 @@
-"""Seam config-guard up to 0.5.16: the memory-saver flag is read from ``self.server_args``.
+"""Seam config-guard, 0.5.16: the settings are read from ``self.server_args``.
 
-The guard is the one of codemods/sglang/config_guard.py, first in
-``KVCacheConfigurator.configure``; only where it reads whether the memory saver is on differs.
-Up to 0.5.16 the configurator holds the ``ServerArgs`` (``self.server_args``) and its module
-imports no ``get_exec`` (the grouped settings accessor of later releases), so the later
-guard's ``get_exec()`` would be an undefined name there. This variant applies only to a module
-without ``get_exec`` whose configurator declares a ``server_args`` field.
+The guard of codemods/sglang/config_guard_swa.py (hybrid sliding-window models pass, Mamba
+models do not), first in ``KVCacheConfigurator.configure``; only where it reads the settings
+differs. Up to 0.5.16 the configurator holds the ``ServerArgs`` (``self.server_args``) and its
+module imports no ``get_exec`` / ``get_memory`` (the grouped settings accessors of later
+releases), so the later guard's calls would be undefined names there: the memory saver,
+unified memory and the hierarchical cache are fields of ``self.server_args``. This variant
+applies only to a module without ``get_exec`` whose configurator declares a ``server_args``
+field.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ GUARD = """if _KVCACHED_ELASTIC_GUARD():
         enable_memory_saver=self.server_args.enable_memory_saver,
         custom_mem_pool=envs.SGLANG_MOONCAKE_CUSTOM_MEM_POOL.get() is not None,
         post_capture_kv_sizing=self.post_capture_kv_active,
-        hybrid_layers=self.is_hybrid_swa or self.mambaish_config is not None,
+        mamba_layers=self.mambaish_config is not None,
+        sliding_window=self.is_hybrid_swa,
+        sliding_window_with={
+            "--enable-unified-memory": self.server_args.enable_unified_memory,
+            "--enable-hierarchical-cache": self.server_args.enable_hierarchical_cache,
+            "an MLA attention backend": self.use_mla_backend,
+            "speculative decoding": not self.spec_algorithm.is_none(),
+        },
     )
 """
 _SERVER_ARGS_FIELD = m.AnnAssign(target=m.Name("server_args"))
@@ -38,7 +47,7 @@ _SERVER_ARGS_FIELD = m.AnnAssign(target=m.Name("server_args"))
 
 class RefuseUnsupportedAtConfigureServerArgs(MethodScopedCodemod):
     DESCRIPTION = ("Refuse memory saver (self.server_args), custom mem pool, post-capture "
-                   "sizing and hybrid pools at start.")
+                   "sizing and Mamba pools at start; hybrid sliding-window models pass.")
     CLASS = "KVCacheConfigurator"
     METHOD = "configure"
 

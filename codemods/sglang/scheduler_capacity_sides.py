@@ -1,4 +1,4 @@
-"""Seam scheduler-capacity, 0.5.17 - 0.5.20: the admission reads of a sliding-window model's
+"""Seam scheduler-capacity, 0.5.16 - 0.5.20: the admission reads of a sliding-window model's
 two sides see their limits too.
 
 For a hybrid sliding-window model (``allocator_swa_before_budget``) these releases'
@@ -86,7 +86,7 @@ class SchedulerCapacitySidesAllocatorDecodeCheck(_SideReads,
                    "sides under their limits.")
 
 
-# 0.5.17 - 0.5.18: ScheduleBatch.check_decode_mem reads the capacity itself.
+# 0.5.16 - 0.5.18: ScheduleBatch.check_decode_mem reads the capacity itself.
 class SchedulerCapacitySidesCheckDecodeMem(_SideReads, SchedulerCapacityCheckDecodeMem):
     DESCRIPTION = ("sglang-scheduler-capacity-check-decode-mem, and PrefillAdder's reads of the "
                    "full and window sides under their limits.")

@@ -302,7 +302,7 @@ WINDOW_PAGE = PAGE * 3 * 2
 # retracting all other requests", as a small stock window pool would.
 LIMITS = {"full": 12 * FULL_PAGE, "swa": 8 * WINDOW_PAGE}
 # Either variant of the elastic sliding-window allocator (from 0.5.21 the scheduler asks it for
-# its budget; 0.5.17 - 0.5.20 read its sides through sglang-scheduler-capacity's side reads).
+# its budget; 0.5.16 - 0.5.20 read its sides through sglang-scheduler-capacity's side reads).
 WINDOW_ALLOCATOR = ("sglang-swa-allocator", "sglang-swa-allocator-before-budget")
 
 

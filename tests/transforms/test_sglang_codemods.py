@@ -373,8 +373,9 @@ def test_prefix_bound_needs_release_kv_cache() -> None:
 def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -> None:
     sglang = {t.id: t for t in CODEMODS if t.engine == "sglang"}
     newer_api = {"sglang-token-allocator", "sglang-paged-allocator"}
-    # from 0.5.17 the sliding-window allocator is elastic and the guard lets window models in;
-    # up to 0.5.20 the scheduler reads the composite's sides itself
+    # from 0.5.16 the sliding-window allocator is elastic and the guard lets window models in
+    # (0.5.16's guard reads the ServerArgs); up to 0.5.20 the scheduler reads the composite's
+    # sides itself
     window = {"sglang-refuse-unsupported-swa", "sglang-pure-swa-refused"}
     window_api = newer_api | window | {"sglang-swa-allocator"}
     window_read = window | {"sglang-swa-allocator-before-budget"}
@@ -413,7 +414,8 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
                    "sglang-token-allocator-free-group-flag", sides_check_decode_mem,
                    *window_read, *configurator},
         "0.5.16": {"sglang-mha-pool-separate-kv", "sglang-startup-free-memory-at-init",
-                   "sglang-refuse-unsupported-server-args", check_decode_mem, *older_api,
+                   "sglang-refuse-unsupported-server-args", sides_check_decode_mem, *older_api,
+                   "sglang-swa-allocator-before-budget", "sglang-pure-swa-refused",
                    *configurator},
         "0.5.13": {"sglang-mha-pool-inline-buffers", check_decode_mem, *older_api,
                    *model_runner},
@@ -543,7 +545,7 @@ def test_scheduler_capacity_helpers_see_the_limit_and_leave_stock_allocators_alo
 
 
 def test_side_reads_see_each_sides_limit_and_evict_each_sides_shortfall() -> None:
-    """0.5.17 - 0.5.20: the admission reads of a sliding-window model's full and window
+    """0.5.16 - 0.5.20: the admission reads of a sliding-window model's full and window
     sides, and the eviction before an allocation, under each side's own limit."""
     from kvcached_core.integration.sglang.capacity import evict_under_limit, side_allocatable_size
 

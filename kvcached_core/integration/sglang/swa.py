@@ -64,6 +64,12 @@ def _limited_swa_prefill_budget() -> type:
     return ElasticSWAPrefillBudget
 
 
+def _evict(tree_cache: Any, params: Any) -> None:
+    """Evict the tree's least recently used entries for an allocation: `evict_for_alloc` from
+    0.5.19, the trees' `evict` (the same EvictParams) before."""
+    getattr(tree_cache, "evict_for_alloc", tree_cache.evict)(params)
+
+
 def _pages_for(seq_lens_cpu: torch.Tensor, page_size: int, *, prefix_lens_cpu: Any = None,
                decode: bool = False) -> int:
     from sglang.srt.utils.common import get_num_new_pages
@@ -129,8 +135,7 @@ class ElasticSWAAllocatorMixin:
         full_shortfall = max(0, num_tokens - self.full_attn_allocator.kvcached_allocatable_size())
         swa_shortfall = max(0, num_tokens - self.swa_attn_allocator.kvcached_allocatable_size())
         if full_shortfall or swa_shortfall:
-            tree_cache.evict_for_alloc(
-                EvictParams(num_tokens=full_shortfall, swa_num_tokens=swa_shortfall))
+            _evict(tree_cache, EvictParams(num_tokens=full_shortfall, swa_num_tokens=swa_shortfall))
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
                               spec_algorithm: Any = None) -> bool:
@@ -152,7 +157,7 @@ class ElasticSWAAllocatorMixin:
 
         available = self.swa_attn_allocator.kvcached_allocatable_size()
         if available < swa_tokens:
-            tree_cache.evict_for_alloc(EvictParams(swa_num_tokens=swa_tokens - available))
+            _evict(tree_cache, EvictParams(swa_num_tokens=swa_tokens - available))
             available = self.swa_attn_allocator.kvcached_allocatable_size()
         if available < swa_tokens:
             return (f"SWA eviction insufficient under the kvcached limit: needed={swa_tokens}, "

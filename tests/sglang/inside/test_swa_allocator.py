@@ -1,10 +1,10 @@
 """The hybrid sliding-window allocator: two elastic sides, gated and allocated together.
 
 A window model's pools are an SWAKVPool of two MHA pools (full-attention layers, window
-layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.17 the
+layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.16 the
 composite is elastic (`kvcached_core/integration/sglang/swa.py`): the cells from there list
 this file in their L1 tests. Before, the configuration guard refuses window models. From
-0.5.21 the scheduler asks the composite for its admission budget; 0.5.17 - 0.5.20 read its
+0.5.21 the scheduler asks the composite for its admission budget; 0.5.16 - 0.5.20 read its
 full and window sizes in `PrefillAdder` themselves, rewritten to each side's limit.
 """
 
@@ -171,7 +171,7 @@ def test_the_all_window_allocator_is_refused(window_setup) -> None:
 
 
 def admission_reads_of_the_release_see_each_side(allocator: object) -> None:
-    """0.5.17 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
+    """0.5.16 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
     rewrote those reads, sglang-scheduler-capacity); each sees its side's limit."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
