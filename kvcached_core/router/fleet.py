@@ -322,6 +322,16 @@ class Fleet:
         device = slot.engine.device.name
         state = slot.state
         while self._free_memory(device) < self._to_fit(slot):
+            if any(s.state in (SLEEPING, STOPPING) for s in self._on_device(device)):
+                # An engine is giving memory back now (an idle one the idle loop put to
+                # sleep, or a victim of another request): wait for it and look again, rather
+                # than choose a victim among the others without it. An engine that is only
+                # falling asleep is still the oldest idle one, and stopping a newer engine in
+                # its place would break the eviction order.
+                self._cv.wait(1.0)
+                if slot.state != state:
+                    return False
+                continue
             idle = [s for s in self._on_device(device)
                     if s is not slot and s.state in (AWAKE, ASLEEP) and not s.inflight
                     and self._holds(s) > 0]

@@ -133,6 +133,7 @@ class FakeEngine(Engine):
         self.journal = journal
         self.running = False
         self.start_s = 0.05
+        self.sleep_s = 0.0
         self.fail_start = False
 
     @property
@@ -157,6 +158,7 @@ class FakeEngine(Engine):
 
     def sleep_kv(self) -> None:
         self.journal.append(f"sleep {self.spec.name}")
+        time.sleep(self.sleep_s)
 
     def wake_kv(self) -> None:
         self.journal.append(f"wake {self.spec.name}")
@@ -221,6 +223,26 @@ def test_a_new_model_stops_the_idle_engine_of_lowest_priority_then_oldest_use(
         pass
     assert journal == ["start b", "start a", "stop b", "start c"]  # b: priority 0
     assert _states(fleet) == {"a": "awake", "b": "stopped", "c": "awake"}
+
+
+def test_an_engine_falling_asleep_is_still_the_oldest_idle_one_and_is_stopped_first(
+        make_fleet: Any) -> None:
+    """A new model arrives while the idle loop puts the engine used longest ago to sleep: the
+    request waits for that engine's sleep and stops it, never the newer engine beside it."""
+    fleet, journal, engines = make_fleet(_model("a", idle_sleep_s=0.1), _model("b"),
+                                         _model("c"), idle_sleep_s=0)
+    with fleet.use("a"):
+        engines["a"].sleep_s = 1.0  # a slow sleep (a busy host)
+    with fleet.use("b"):
+        pass
+    deadline = time.monotonic() + 5
+    while _states(fleet)["a"] != "sleeping":
+        assert time.monotonic() < deadline, _states(fleet)
+        time.sleep(0.01)
+    with fleet.use("c"):
+        pass
+    assert journal == ["start a", "start b", "sleep a", "stop a", "start c"]
+    assert _states(fleet) == {"a": "stopped", "b": "awake", "c": "awake"}
 
 
 def test_a_busy_engine_is_never_stopped_and_the_request_waits_for_an_idle_one(
