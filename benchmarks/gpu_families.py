@@ -8,7 +8,13 @@ in its own child process with the engine core in-process:
 - `elastic`: the patched wheel, same arguments;
 - `oracle`: the stock wheel with `num_gpu_blocks_override` set to the most blocks the stock
   engine held at once (plus the null block): the least a static reservation could be for this
-  workload, known only after the fact.
+  workload, known only after the fact;
+- `ancestor` (when `--ancestor-site` names a directory holding kvcached 0.1.6, the
+  runtime-patching system this project descends from, installed there with `pip --target`):
+  the stock wheel with that package's import hooks registered before vLLM is imported and
+  `ENABLE_KVCACHED=true`, as its own `.pth` file would do in a site-packages directory. It
+  runs only with vLLM's V1 model runner: pass `--env VLLM_USE_V2_MODEL_RUNNER=0` to compare
+  every engine on that runner.
 
 Workload (the same for all three): a burst of `--prompts` random prompts x `--max-tokens` greedy
 tokens, `--idle-s` idle, the same burst again (prefix-cache hits), `--idle-s` idle, then one
@@ -23,7 +29,7 @@ engine's first-burst tokens equal stock's, its mapped KV grows in a burst and re
 idle, and a sliding-window group of the long request holds no more than its window's blocks.
 
     python benchmarks/gpu_families.py --family sliding-window=DIR --family mla=DIR \\
-        --stock-site DIR --patched-site DIR --out DIR [--gpu-mem-util 0.3]
+        --stock-site DIR --patched-site DIR [--ancestor-site DIR] --out DIR [--gpu-mem-util 0.3]
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from tests.e2e.vllm_cpu_family_run import held_blocks  # noqa: E402
 
 MIB = 1 << 20
 RESULT = "RESULT_JSON "
-ENGINES = ("stock", "elastic", "oracle")
+ENGINES = ("stock", "elastic", "oracle", "ancestor")
 
 
 # ---------------------------------------------------------------------------------- child
@@ -139,6 +145,11 @@ class Watch:
 
 
 def run_child(args: argparse.Namespace) -> int:
+    if args.child == "ancestor":
+        # Registers the ancestor's when-imported hooks for vLLM (its .pth file does this at
+        # interpreter start when installed in site-packages).
+        import kvcached.autopatch  # noqa: F401
+
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -239,6 +250,8 @@ def _child(args: argparse.Namespace, family: str, model: str, engine: str, site:
     if args.eager:
         command.append("--eager")
     env = engine_environment(dict(item.split("=", 1) for item in args.env))
+    if engine == "ancestor":
+        env.update(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1")
     if engine != "elastic":
         env["KVCACHED_ENABLE"] = "0"
     else:
@@ -304,6 +317,12 @@ def judge(family: str, model: str, results: dict[str, dict[str, Any]]) -> list[s
     failures = [f"{family} / {name}: did not finish (rc {r.get('rc')})"
                 for name, r in results.items() if not r.get("ok")]
     stock, elastic = results.get("stock"), results.get("elastic")
+    ancestor = results.get("ancestor")
+    if stock and ancestor and stock.get("ok") and ancestor.get("ok"):
+        same = sum(a == b for a, b in zip(stock["outputs"], ancestor["outputs"], strict=True))
+        if same != len(stock["outputs"]):
+            failures.append(f"{family} / ancestor: {len(stock['outputs']) - same} of "
+                            f"{len(stock['outputs'])} first-burst outputs differ from stock")
     for name, result in results.items():
         if result.get("ok") and not all(p["full_length"] for p in result["phases"]):
             failures.append(f"{family} / {name}: a request ended short")
@@ -342,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", action="append", default=[], metavar="NAME=MODEL_DIR")
     parser.add_argument("--stock-site", default="")
     parser.add_argument("--patched-site", default="")
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--ancestor-site", default="",
+                        help="kvcached 0.1.6 installed with pip --target; joined before "
+                             "--stock-site")
+    parser.add_argument("--engines", default="stock,elastic,oracle",
+                        help=f"a comma-separated subset of {','.join(ENGINES)}")
     parser.add_argument("--out", default="gpu-families-out")
     parser.add_argument("--device-kind", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--gpu-mem-util", type=float, default=0.3)
@@ -364,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sites = {"stock": args.stock_site, "elastic": args.patched_site, "oracle": args.stock_site}
+    sites = {"stock": args.stock_site, "elastic": args.patched_site, "oracle": args.stock_site,
+             "ancestor": os.pathsep.join(p for p in (args.ancestor_site, args.stock_site) if p)}
     report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items()
                                            if k not in ("child", "model", "blocks")}}
     failures: list[str] = []
