@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from kvcached_core.errors import KVCachedConfigError
@@ -117,6 +118,34 @@ def _refuse_unless_plain(pool: Any, what: str) -> None:
         )
 
 
+def _hybrid_side_label(pool: Any) -> str | None:
+    """"SWA" or "Full" when `pool` is being built as one side of a hybrid sliding-window pool
+    (`SWAKVPool`) by a release that does not label its sides (before 0.5.17), else None.
+
+    The hybrid pool is the `self` of an `__init__` a few frames up: it sets both sides' sizes
+    and layer counts before it builds them, so the side whose (size, layer count) this pool
+    has is the one being built. When both sides have the same, the window side is the one
+    built first (0.5.13 - 0.5.16 build `swa_kv_pool`, then `full_kv_pool`).
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner: Any = frame.f_locals.get("self")
+        if (frame.f_code.co_name != "__init__" or owner is pool
+                or not hasattr(owner, "swa_layer_nums") or not hasattr(owner, "full_layer_nums")):
+            continue
+        mine = (pool.size, pool.layer_num)
+        sides = [label for label, key in (("SWA", (owner.size_swa, owner.swa_layer_nums)),
+                                          ("Full", (owner.size, owner.full_layer_nums)))
+                 if key == mine]
+        if len(sides) == 2:
+            return "Full" if hasattr(owner, "swa_kv_pool") else "SWA"
+        return sides[0] if sides else None
+    return None
+
+
 class ElasticMHAPoolMixin:
     """MHATokenToKVPool whose fused per-layer K/V buffer is a view of a VMM-backed tensor."""
 
@@ -151,8 +180,9 @@ class ElasticMHAPoolMixin:
         store_dtype: torch.dtype = pool.store_dtype
         row_elems = shape[1] * shape[2]
         # A hybrid window model's two MHA pools say which they are ("Full", "SWA"), so that
-        # `kvctl` and `kvtop` tell the window layers' pool apart: sglang-mha-swa-<pid>-<n>.
-        label = getattr(pool, "allocation_label", None)
+        # `kvctl`, `kvtop` and a limit per pool tell the window layers' pool apart:
+        # sglang-mha-swa-<pid>-<n>. Before 0.5.17 SGLang does not label them.
+        label = getattr(pool, "allocation_label", None) or _hybrid_side_label(pool)
         kind = f"mha-{label.lower()}" if label else "mha"
         kv_pool, region_rows = create_kv_pool(
             kind=kind, device=str(pool.device), num_layers=pool.layer_num, num_buffers=2,

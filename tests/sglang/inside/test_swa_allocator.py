@@ -72,6 +72,10 @@ def test_each_side_is_its_own_elastic_pool(window_setup) -> None:
     full, window = sides(allocator)
     assert type(full).__name__ == type(window).__name__ == "ElasticTokenToKVPoolAllocator"
     assert full.kvcached_pool is not window.kvcached_pool
+    # Each pool's record says which side it is (for kvctl, kvtop and a limit per pool), also
+    # where the release does not label them (before 0.5.17).
+    assert full.kvcached_pool.name.startswith("sglang-mha-full-"), full.kvcached_pool.name
+    assert window.kvcached_pool.name.startswith("sglang-mha-swa-"), window.kvcached_pool.name
     assert type(pool.full_kv_pool).__name__ == type(pool.swa_kv_pool).__name__
     assert (allocator.available_size(), allocator.full_available_size(),
             allocator.swa_available_size()) == (WINDOW, FULL, WINDOW)
