@@ -19,8 +19,7 @@ FAMILY_TRANSFORMS = {
     "full attention (MHA pool)": {"sglang-mha-pool", "sglang-mha-pool-separate-kv",
                                   "sglang-mha-pool-inline-buffers"},
     "MLA": {"sglang-mla-pool", "sglang-mla-pool-inline"},
-    "hybrid sliding window": {"sglang-swa-allocator", "sglang-swa-allocator-before-budget",
-                              "sglang-swa-allocator-model-runner"},
+    "hybrid sliding window": {"sglang-swa-allocator", "sglang-swa-allocator-before-budget"},
     "Mamba / linear attention": set(),
 }
 
