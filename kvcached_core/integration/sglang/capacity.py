@@ -70,5 +70,10 @@ def evict_under_limit(tree_cache: Any, num_tokens: int) -> None:
     except ImportError:
         tree_cache.evict(shortfall)
         return
-    evict = getattr(tree_cache, "evict_for_alloc", tree_cache.evict)
-    evict(EvictParams(num_tokens=shortfall))
+    evict_for_allocation(tree_cache, EvictParams(num_tokens=shortfall))
+
+
+def evict_for_allocation(tree_cache: Any, params: Any) -> None:
+    """Evict the tree's least recently used entries for an allocation: `evict_for_alloc` from
+    0.5.19, the trees' `evict` (the same `EvictParams`, from 0.5.9) before."""
+    getattr(tree_cache, "evict_for_alloc", tree_cache.evict)(params)

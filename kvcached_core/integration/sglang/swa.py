@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.integration.sglang.allocators import _ElasticAllocatorCommon
+from kvcached_core.integration.sglang.capacity import evict_for_allocation
 from kvcached_core.integration.sglang.pools import refuse_unless_leaf
 from kvcached_core.integration.sglang.prefix_cache import shares_prefixes
 
@@ -62,12 +63,6 @@ def _limited_swa_prefill_budget() -> type:
             return int(super().remaining_swa - withheld)
 
     return ElasticSWAPrefillBudget
-
-
-def _evict(tree_cache: Any, params: Any) -> None:
-    """Evict the tree's least recently used entries for an allocation: `evict_for_alloc` from
-    0.5.19, the trees' `evict` (the same EvictParams) before."""
-    getattr(tree_cache, "evict_for_alloc", tree_cache.evict)(params)
 
 
 def _pages_for(seq_lens_cpu: torch.Tensor, page_size: int, *, prefix_lens_cpu: Any = None,
@@ -135,7 +130,8 @@ class ElasticSWAAllocatorMixin:
         full_shortfall = max(0, num_tokens - self.full_attn_allocator.kvcached_allocatable_size())
         swa_shortfall = max(0, num_tokens - self.swa_attn_allocator.kvcached_allocatable_size())
         if full_shortfall or swa_shortfall:
-            _evict(tree_cache, EvictParams(num_tokens=full_shortfall, swa_num_tokens=swa_shortfall))
+            evict_for_allocation(
+                tree_cache, EvictParams(num_tokens=full_shortfall, swa_num_tokens=swa_shortfall))
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
                               spec_algorithm: Any = None) -> bool:
@@ -157,7 +153,7 @@ class ElasticSWAAllocatorMixin:
 
         available = self.swa_attn_allocator.kvcached_allocatable_size()
         if available < swa_tokens:
-            _evict(tree_cache, EvictParams(swa_num_tokens=swa_tokens - available))
+            evict_for_allocation(tree_cache, EvictParams(swa_num_tokens=swa_tokens - available))
             available = self.swa_attn_allocator.kvcached_allocatable_size()
         if available < swa_tokens:
             return (f"SWA eviction insufficient under the kvcached limit: needed={swa_tokens}, "

@@ -173,7 +173,6 @@ def test_the_all_window_allocator_is_refused(window_setup) -> None:
         cls(WINDOW, 1, torch.bfloat16, "cpu", pool, False)
 
 
-
 def admission_reads_of_the_release_see_each_side(allocator: object) -> None:
     """0.5.16 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
     rewrote those reads, sglang-scheduler-capacity); each sees its side's limit."""
