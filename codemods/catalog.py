@@ -17,6 +17,7 @@ from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneM
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_swa import ElasticSWAAllocator, RefusePureSWAAllocator
 from codemods.sglang.allocator_swa_before_budget import ElasticSWAAllocatorBeforeBudget
+from codemods.sglang.allocator_swa_model_runner import ElasticSWAAllocatorModelRunner
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
 from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
@@ -29,6 +30,7 @@ from codemods.sglang.capacity import KVBudgetCapacity
 from codemods.sglang.capacity_model_runner import KVBudgetCapacityModelRunner
 from codemods.sglang.config_guard_mixin_envs_local import RefuseUnsupportedAtInitMemoryPoolEnvsLocal
 from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMemoryPool
+from codemods.sglang.config_guard_model_runner_swa import RefuseUnsupportedAtInitMemoryPoolSwa
 from codemods.sglang.config_guard_runner_gdn import RefuseUnsupportedAtRunnerInitMemoryPoolGdn
 from codemods.sglang.config_guard_runner_swa import RefuseUnsupportedAtRunnerInitMemoryPoolSwa
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
@@ -132,11 +134,11 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("sglang", "scheduler-capacity", versions="<0.5.21",
                  note="up to 0.5.20 the scheduler reads the free capacity itself for admission, "
                       "the decode check and eviction; from 0.5.21 it asks the allocator"),
-    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.16",
+    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.14",
                  note="the hybrid sliding-window allocator (mem_cache/allocator/swa.py) gates "
                       "and allocates over its two elastic sides, so a window model is served "
-                      "elastic from 0.5.16 and refused by the configuration guard before"),
-    RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.16",
+                      "elastic from 0.5.14 and refused by the configuration guard before"),
+    RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.15",
                  note="the all-window allocator (PureSWATokenToKVPoolAllocator) derives from "
                       "the stock composite, above the elastic one in its module"),
 )
@@ -257,15 +259,20 @@ _SGLANG_055_DATE = "2026-12-02"
 _SGLANG_PRESSURE_DATE = "2026-12-06"
 _SGLANG_SWA_DATE = "2026-12-06"
 _SGLANG_SWA_0517_DATE = "2026-12-07"
-# Hybrid sliding-window models are served elastic from 0.5.16 (the configurator's
+# Hybrid sliding-window models are served elastic from 0.5.14 (from 0.5.16 the configurator's
 # is_hybrid_swa / mambaish_config, which the guard reads: through get_exec() from 0.5.17, from
 # the ServerArgs in 0.5.16). From 0.5.21 the scheduler asks the composite allocator for its
 # prefill budget and evictions; 0.5.16 - 0.5.20 read its full and window sizes themselves
 # (sglang-scheduler-capacity's side reads).
-_SGLANG_SWA = ">=0.5.16,<0.5.24"
+# Up to 0.5.15 the model runner builds them, with a guard of its own and a composite without
+# resize; the all-window allocator exists from 0.5.15. 0.5.13 has the same composite and
+# passed the window proofs, but its two-node proof timed out, so it keeps refusing window
+# models until its record is complete.
+_SGLANG_SWA = ">=0.5.15,<0.5.24"
 _SGLANG_SWA_GET_EXEC = ">=0.5.17,<0.5.24"
 _SGLANG_SWA_ASKED = ">=0.5.21,<0.5.24"
 _SGLANG_SWA_READ = ">=0.5.16,<0.5.21"
+_SGLANG_SWA_MODEL_RUNNER = ">=0.5.14,<0.5.16"
 # Where the scheduler reads the allocator's capacity itself (up to 0.5.20):
 # codemods/sglang/scheduler_capacity.py names the scopes of each release.
 _SGLANG_POLICY = "{package}/srt/managers/schedule_policy.py"
@@ -843,7 +850,7 @@ CODEMODS += [
         id="sglang-refuse-unsupported-model-runner",
         seam="config-guard",
         engine="sglang",
-        versions=_SGLANG_MODEL_RUNNER,
+        versions=">=0.5.10,<0.5.14",
         anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
                ".init_memory_pool (envs imported, no get_exec)",
         targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
@@ -856,6 +863,41 @@ CODEMODS += [
         codemod=RefuseUnsupportedAtInitMemoryPool,
         forwarded="not-needed",
         last_update=_SGLANG_0513_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-refuse-unsupported-model-runner-swa",
+        seam="config-guard",
+        engine="sglang",
+        versions=_SGLANG_SWA_MODEL_RUNNER,
+        anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+               ".init_memory_pool (hybrid sliding-window models served)",
+        targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
+        expected_hits=1,
+        why="The guard of sglang-refuse-unsupported-swa where the model runner builds the pools "
+            "(before 0.5.16) and the sliding-window allocator is elastic "
+            "(sglang-swa-allocator-model-runner): a hybrid window model starts, a Mamba model "
+            "and a window model with the features that build other pools around its window "
+            "layers stop start-up.",
+        retire_when="The oldest SGLang cell has KVCacheConfigurator (0.5.16).",
+        codemod=RefuseUnsupportedAtInitMemoryPoolSwa,
+        forwarded="not-needed",
+        last_update=_SGLANG_SWA_0517_DATE,
+    ),
+    CodemodDeclaration(
+        id="sglang-swa-allocator-model-runner",
+        seam="swa-allocator",
+        engine="sglang",
+        versions=_SGLANG_SWA_MODEL_RUNNER,
+        anchor="sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator (no resize yet)",
+        targets=("{package}/srt/mem_cache/allocator/swa.py",),
+        expected_hits=1,
+        why="sglang-swa-allocator-before-budget where the composite has no resize (no "
+            "post-capture KV sizing before 0.5.16) and, up to 0.5.14, checks both sides inline "
+            "in its extend.",
+        retire_when="The oldest SGLang cell has KVCacheConfigurator (0.5.16).",
+        codemod=ElasticSWAAllocatorModelRunner,
+        forwarded="no",
+        last_update=_SGLANG_SWA_0517_DATE,
     ),
     CodemodDeclaration(
         id="sglang-refuse-unsupported-mixin-envs-local",
@@ -1002,7 +1044,7 @@ CODEMODS += [
         id="sglang-scheduler-capacity-check-decode-mem",
         seam="scheduler-capacity",
         engine="sglang",
-        versions=">=0.5.9,<0.5.16",
+        versions=">=0.5.9,<0.5.14",
         anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
                "sglang-scheduler-capacity's places",
         targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
@@ -1018,13 +1060,13 @@ CODEMODS += [
         id="sglang-scheduler-capacity-sides-check-decode-mem",
         seam="scheduler-capacity",
         engine="sglang",
-        versions=">=0.5.16,<0.5.19",
+        versions=">=0.5.14,<0.5.19",
         anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
                "sglang-scheduler-capacity's places",
         targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
-        expected_hits=11,
+        expected_hits="7..11",
         why=("sglang-scheduler-capacity (with a sliding-window model's side reads, served from "
-            "0.5.16) where the decode check reads the capacity itself "
+            "0.5.14) where the decode check reads the capacity itself "
             "(ScheduleBatch.check_decode_mem)."),
         retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
         codemod=SchedulerCapacitySidesCheckDecodeMem,

@@ -301,9 +301,10 @@ WINDOW_PAGE = PAGE * 3 * 2
 # others' windows; a smaller one aborts requests with SGLang's "Out of memory even after
 # retracting all other requests", as a small stock window pool would.
 LIMITS = {"full": 12 * FULL_PAGE, "swa": 8 * WINDOW_PAGE}
-# Either variant of the elastic sliding-window allocator (from 0.5.21 the scheduler asks it for
-# its budget; 0.5.16 - 0.5.20 read its sides through sglang-scheduler-capacity's side reads).
-WINDOW_ALLOCATOR = ("sglang-swa-allocator", "sglang-swa-allocator-before-budget")
+# Any variant of the elastic sliding-window allocator (from 0.5.21 the scheduler asks it for
+# its budget; 0.5.14 - 0.5.20 read its sides through the scheduler-capacity seam's side reads).
+WINDOW_ALLOCATOR = ("sglang-swa-allocator", "sglang-swa-allocator-before-budget",
+                    "sglang-swa-allocator-model-runner")
 
 
 def run_window_engine(venv: EngineVenv, model: Path, tmp: Path, *, elastic: bool,

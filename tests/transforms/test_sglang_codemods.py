@@ -20,6 +20,7 @@ from codemods.sglang.allocator_paged_one_module import ElasticPagedAllocatorOneM
 from codemods.sglang.allocator_paged_release_page_ids import ElasticPagedAllocatorReleasePageIds
 from codemods.sglang.allocator_swa import ElasticSWAAllocator, RefusePureSWAAllocator
 from codemods.sglang.allocator_swa_before_budget import ElasticSWAAllocatorBeforeBudget
+from codemods.sglang.allocator_swa_model_runner import ElasticSWAAllocatorModelRunner
 from codemods.sglang.allocator_token import ElasticTokenAllocator
 from codemods.sglang.allocator_token_copies_deferred import ElasticTokenAllocatorFreeGroupFlagCopies
 from codemods.sglang.allocator_token_free_group_none import ElasticTokenAllocatorFreeGroupNone
@@ -34,6 +35,7 @@ from codemods.sglang.config_guard_mixin_envs_local import (
     RefuseUnsupportedAtInitMemoryPoolEnvsLocal,
 )
 from codemods.sglang.config_guard_model_runner import RefuseUnsupportedAtInitMemoryPool
+from codemods.sglang.config_guard_model_runner_swa import RefuseUnsupportedAtInitMemoryPoolSwa
 from codemods.sglang.config_guard_runner_gdn import RefuseUnsupportedAtRunnerInitMemoryPoolGdn
 from codemods.sglang.config_guard_runner_swa import RefuseUnsupportedAtRunnerInitMemoryPoolSwa
 from codemods.sglang.config_guard_server_args import RefuseUnsupportedAtConfigureServerArgs
@@ -288,6 +290,8 @@ def test_a_moved_or_changed_anchor_matches_nothing(codemod: type[HitCountingCode
     (RefuseUnsupportedAtConfigureSwa, "sglang-refuse-unsupported-swa"),
     (ElasticSWAAllocator, "sglang-swa-allocator"),
     (ElasticSWAAllocatorBeforeBudget, "sglang-swa-allocator-before-budget"),
+    (ElasticSWAAllocatorModelRunner, "sglang-swa-allocator-model-runner"),
+    (RefuseUnsupportedAtInitMemoryPoolSwa, "sglang-refuse-unsupported-model-runner-swa"),
     (RefusePureSWAAllocator, "sglang-pure-swa-refused"),
 ])
 def test_codemod_rewrites_its_fixture_whole(codemod: type[HitCountingCodemod],
@@ -321,6 +325,8 @@ def test_pool_and_allocator_fixtures_hold_every_required_method() -> None:
              "TokenToKVPoolAllocator"),
             (ElasticSWAAllocator, "sglang-swa-allocator", "SWATokenToKVPoolAllocator"),
             (ElasticSWAAllocatorBeforeBudget, "sglang-swa-allocator-before-budget",
+             "SWATokenToKVPoolAllocator"),
+            (ElasticSWAAllocatorModelRunner, "sglang-swa-allocator-model-runner",
              "SWATokenToKVPoolAllocator"),
             (RefusePureSWAAllocator, "sglang-pure-swa-refused",
              "PureSWATokenToKVPoolAllocator")]:
@@ -385,6 +391,8 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
     model_runner = {"sglang-kv-budget-model-runner", "sglang-kv-profile-free-memory-model-runner",
                     "sglang-refuse-unsupported-model-runner",
                     "sglang-startup-free-memory-model-runner"}
+    model_runner_window = model_runner - {"sglang-refuse-unsupported-model-runner"} | {
+        "sglang-refuse-unsupported-model-runner-swa", "sglang-swa-allocator-model-runner"}
     # every SGLang cell from 0.5.10 takes the same one; the rest are one variant of a seam
     # that moved
     check_decode_mem = "sglang-scheduler-capacity-check-decode-mem"
@@ -417,6 +425,10 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
                    "sglang-refuse-unsupported-server-args", sides_check_decode_mem, *older_api,
                    "sglang-swa-allocator-before-budget", "sglang-pure-swa-refused",
                    *configurator},
+        # 0.5.14 - 0.5.15: the model runner's window guard and composite (the all-window
+        # allocator from 0.5.15); 0.5.13 keeps the guard that refuses window models
+        "0.5.15.post1": {"sglang-mha-pool-inline-buffers", sides_check_decode_mem, *older_api,
+                         *model_runner_window, "sglang-pure-swa-refused"},
         "0.5.13": {"sglang-mha-pool-inline-buffers", check_decode_mem, *older_api,
                    *model_runner},
         "0.5.12.post1": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",

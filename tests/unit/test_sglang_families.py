@@ -19,7 +19,8 @@ FAMILY_TRANSFORMS = {
     "full attention (MHA pool)": {"sglang-mha-pool", "sglang-mha-pool-separate-kv",
                                   "sglang-mha-pool-inline-buffers"},
     "MLA": {"sglang-mla-pool", "sglang-mla-pool-inline"},
-    "hybrid sliding window": {"sglang-swa-allocator", "sglang-swa-allocator-before-budget"},
+    "hybrid sliding window": {"sglang-swa-allocator", "sglang-swa-allocator-before-budget",
+                              "sglang-swa-allocator-model-runner"},
     "Mamba / linear attention": set(),
 }
 

@@ -59,19 +59,37 @@ def bound_radix_tree(tree: Any) -> int:
     return _bound(tree, limit, tree.evict)
 
 
+def evictable_tokens(tree: Any) -> int:
+    """The tree's evictable tokens. A sliding-window model's `SWARadixCache` (up to 0.5.15)
+    answers per side only (`evictable_size()` raises): its full side counts, since its entries
+    are full-pool slots and evicting one frees its window slots too."""
+    try:
+        return int(tree.evictable_size())
+    except NotImplementedError:
+        return int(tree.full_evictable_size())
+
+
+def protected_tokens(tree: Any) -> int:
+    """The tree's tokens locked by running requests (the full side of a `SWARadixCache`)."""
+    try:
+        return int(tree.protected_size())
+    except NotImplementedError:
+        return int(tree.full_protected_size())
+
+
 def _bound(tree: Any, limit: int, evict: Callable[[int], object]) -> int:
-    before = int(tree.evictable_size())
+    before = evictable_tokens(tree)
     if before > limit:
         evict(before - limit)
     _bound_pages(tree, limit, evict)
-    return before - int(tree.evictable_size())
+    return before - evictable_tokens(tree)
 
 
 def cached_pages(tree: Any, tokens_per_page: int) -> int:
     """How many kvcached pages the tree's slots lie on (slot s is on page s // tokens_per_page)."""
     import torch
 
-    if int(tree.evictable_size()) + int(tree.protected_size()) == 0:
+    if evictable_tokens(tree) + protected_tokens(tree) == 0:
         return 0
     return int(torch.unique(tree.all_values_flatten() // tokens_per_page).numel())
 
@@ -84,7 +102,7 @@ def engine_idle(tree: Any) -> bool:
     requests = getattr(tree, "req_to_token_pool", None)
     if requests is not None:
         return int(requests.available_size()) >= int(requests.size)
-    return int(tree.protected_size()) == 0
+    return protected_tokens(tree) == 0
 
 
 def _bound_pages(tree: Any, limit: int, evict: Callable[[int], object]) -> None:
@@ -96,7 +114,7 @@ def _bound_pages(tree: Any, limit: int, evict: Callable[[int], object]) -> None:
         return  # not an elastic allocator: nothing is mapped on demand
     tokens_per_page = ledger.pool.blocks_per_page * int(allocator.page_size)
     allowed = -(-limit // tokens_per_page) + 1
-    while int(tree.evictable_size()) > 0 and cached_pages(tree, tokens_per_page) > allowed:
+    while evictable_tokens(tree) > 0 and cached_pages(tree, tokens_per_page) > allowed:
         # One token asks for the least recently used leaf alone: a prefix stays while the
         # leaves below it (used less recently) can go first.
         evict(1)

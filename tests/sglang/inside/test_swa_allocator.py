@@ -1,21 +1,20 @@
 """The hybrid sliding-window allocator: two elastic sides, gated and allocated together.
 
 A window model's pools are an SWAKVPool of two MHA pools (full-attention layers, window
-layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.16 the
+layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.14 the
 composite is elastic (`kvcached_core/integration/sglang/swa.py`): the cells from there list
 this file in their L1 tests. Before, the configuration guard refuses window models. From
-0.5.21 the scheduler asks the composite for its admission budget; 0.5.16 - 0.5.20 read its
+0.5.21 the scheduler asks the composite for its admission budget; 0.5.14 - 0.5.20 read its
 full and window sizes in `PrefillAdder` themselves, rewritten to each side's limit.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import pytest
 import torch
-from conftest import DIM, HEADS, SWA_ALLOCATOR_MODULES, releases_module
+from conftest import DIM, HEADS, POOL_BUILDERS, SWA_ALLOCATOR_MODULES, releases_module
 
 from kvcached_core.errors import KVCachedConfigError
 
@@ -26,19 +25,28 @@ FULL, WINDOW = 1023, 511
 TOKENS_PER_PAGE = 4096 // (HEADS * DIM * 2)
 
 def test_the_public_names_are_the_elastic_window_classes() -> None:
+    """What the module that builds the pools (the configurator from 0.5.16, the model runner's
+    KV mixin before) reaches by name is the elastic composite; the all-window allocator
+    (from 0.5.15) is its refusing subclass."""
     assert SWA.SWATokenToKVPoolAllocator.__name__ == "ElasticSWATokenToKVPoolAllocator"
-    assert SWA.PureSWATokenToKVPoolAllocator.__name__ == "ElasticPureSWATokenToKVPoolAllocator"
-    builder = importlib.import_module("sglang.srt.mem_cache.kv_cache_configurator")
+    builder = releases_module(POOL_BUILDERS)
     assert builder.SWATokenToKVPoolAllocator is SWA.SWATokenToKVPoolAllocator
-    assert builder.PureSWATokenToKVPoolAllocator is SWA.PureSWATokenToKVPoolAllocator
+    if hasattr(SWA, "PureSWATokenToKVPoolAllocator"):
+        assert SWA.PureSWATokenToKVPoolAllocator.__name__ == (
+            "ElasticPureSWATokenToKVPoolAllocator")
+        assert builder.PureSWATokenToKVPoolAllocator is SWA.PureSWATokenToKVPoolAllocator
 
 
 def make_window_pool() -> object:
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
+    kwargs = {}
+    if "enable_kvcache_transpose" in inspect.signature(SWAKVPool.__init__).parameters:
+        kwargs["enable_kvcache_transpose"] = False  # a required flag up to 0.5.14
     return SWAKVPool(size=FULL, size_swa=WINDOW, page_size=1, dtype=torch.bfloat16,
                      head_num=HEADS, head_dim=DIM, swa_attention_layer_ids=[0],
-                     full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False)
+                     full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False,
+                     **kwargs)
 
 
 def make_window_allocator(pool: object) -> object:
@@ -167,6 +175,12 @@ def test_the_admission_budget_counts_what_each_side_withholds(window_setup) -> N
 
 
 def test_the_all_window_allocator_is_refused(window_setup) -> None:
+    """From 0.5.15 an all-window model gets its own allocator, refused when elastic. Before,
+    no release builds one (such a model gets the elastic composite): nothing stock is left
+    reachable from the module that builds the pools."""
+    if not hasattr(SWA, "PureSWATokenToKVPoolAllocator"):
+        assert not hasattr(releases_module(POOL_BUILDERS), "PureSWATokenToKVPoolAllocator")
+        return
     pool, _ = window_setup
     cls = SWA.PureSWATokenToKVPoolAllocator
     with pytest.raises(KVCachedConfigError, match="every layer uses a sliding window"):
@@ -174,7 +188,7 @@ def test_the_all_window_allocator_is_refused(window_setup) -> None:
 
 
 def admission_reads_of_the_release_see_each_side(allocator: object) -> None:
-    """0.5.16 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
+    """0.5.14 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
     rewrote those reads, sglang-scheduler-capacity); each sees its side's limit."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
