@@ -13,11 +13,11 @@ large moves to the GPU machine). The vocabulary is the tokenizer's. Shapes:
   4 heads, 1 KV head of 256, MLP 6912);
 - `gemma3-4b`: Gemma 3 4B's shape (34 layers, 5 sliding (window 1024) + 1 full, hidden 2560,
   8 heads, 4 KV heads of 256, MLP 10240; 3.2 B parameters with this vocabulary);
-- `gemma3-27b-36l`: Gemma 3 27B's layer width (hidden 5376, 32 heads, 16 KV heads of 128, MLP
-  21504, window 1024) over 36 of its 62 layers (30 sliding + 6 full; vLLM makes 6 KV cache
-  groups of 6 layers): about 15 B parameters, so a decode step of a few hundred sequences waits
-  on the GPU rather than on the host, as `make_random_llama.py --size 17b-wide` does for dense
-  models;
+- `gemma3-27b-24l`: Gemma 3 27B's layer width (hidden 5376, 32 heads, 16 KV heads of 128, MLP
+  21504, window 1024) over 24 of its 62 layers (20 sliding + 4 full; vLLM makes 6 KV cache
+  groups over 4 layer slots): about 10 B parameters (18.5 GiB in bf16), so a decode step of 64
+  sequences waits on the GPU rather than on the host, as `make_random_llama.py --size
+  17b-wide` does for dense models;
 - `deepseek-v2-tiny`: DeepSeek V2 MLA, 4 dense layers, hidden 256, 4 heads, a 512 + 64 latent
   (18,432 bytes per 16-token block per layer), Q/K heads of 128 + 64 and V heads of 128 (the
   head sizes Hopper's MLA decode and FlashAttention 3 prefill accept);
@@ -55,10 +55,10 @@ _GEMMA3_1B = dict(num_hidden_layers=26, hidden_size=1152, intermediate_size=6912
 _GEMMA3_4B = dict(num_hidden_layers=34, hidden_size=2560, intermediate_size=10240,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                   sliding_window=1024, layer_types=_gemma3_layer_types(34))
-_GEMMA3_27B_36L = dict(num_hidden_layers=36, hidden_size=5376, intermediate_size=21504,
+_GEMMA3_27B_24L = dict(num_hidden_layers=24, hidden_size=5376, intermediate_size=21504,
                        num_attention_heads=32, num_key_value_heads=16, head_dim=128,
                        query_pre_attn_scalar=168, sliding_window=1024,
-                       layer_types=_gemma3_layer_types(36))
+                       layer_types=_gemma3_layer_types(24))
 _MLA = dict(q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
             v_head_dim=128, rope_scaling=None, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=128)
@@ -66,7 +66,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3-tiny": ("gemma3", _GEMMA3_TINY),
     "gemma3-1b": ("gemma3", _GEMMA3_1B),
     "gemma3-4b": ("gemma3", _GEMMA3_4B),
-    "gemma3-27b-36l": ("gemma3", _GEMMA3_27B_36L),
+    "gemma3-27b-24l": ("gemma3", _GEMMA3_27B_24L),
     "deepseek-v2-tiny": ("deepseek_v2", dict(
         num_hidden_layers=4, first_k_dense_replace=4, hidden_size=256, intermediate_size=512,
         num_attention_heads=4, num_key_value_heads=4, **_MLA)),
