@@ -134,10 +134,10 @@ REQUIRED_SEAMS: tuple[RequiredSeam, ...] = (
     RequiredSeam("sglang", "scheduler-capacity", versions="<0.5.21",
                  note="up to 0.5.20 the scheduler reads the free capacity itself for admission, "
                       "the decode check and eviction; from 0.5.21 it asks the allocator"),
-    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.14",
+    RequiredSeam("sglang", "swa-allocator", versions=">=0.5.13",
                  note="the hybrid sliding-window allocator (mem_cache/allocator/swa.py) gates "
                       "and allocates over its two elastic sides, so a window model is served "
-                      "elastic from 0.5.14 and refused by the configuration guard before"),
+                      "elastic from 0.5.13 and refused by the configuration guard before"),
     RequiredSeam("sglang", "pure-swa-refused", versions=">=0.5.15",
                  note="the all-window allocator (PureSWATokenToKVPoolAllocator) derives from "
                       "the stock composite, above the elastic one in its module"),
@@ -265,14 +265,14 @@ _SGLANG_SWA_0517_DATE = "2026-12-07"
 # prefill budget and evictions; 0.5.16 - 0.5.20 read its full and window sizes themselves
 # (sglang-scheduler-capacity's side reads).
 # Up to 0.5.15 the model runner builds them, with a guard of its own and a composite without
-# resize; the all-window allocator exists from 0.5.15. 0.5.13 has the same composite and
-# passed the window proofs, but its two-node proof timed out, so it keeps refusing window
-# models until its record is complete.
+# resize; the all-window allocator exists from 0.5.15. 0.5.12 has the same composite (in
+# mem_cache/swa_memory_pool.py) but its CPU engine computes no window model (its torch-native
+# attention has no window mask and reads no window slots), so nothing could prove it there.
 _SGLANG_SWA = ">=0.5.15,<0.5.24"
 _SGLANG_SWA_GET_EXEC = ">=0.5.17,<0.5.24"
 _SGLANG_SWA_ASKED = ">=0.5.21,<0.5.24"
 _SGLANG_SWA_READ = ">=0.5.16,<0.5.21"
-_SGLANG_SWA_MODEL_RUNNER = ">=0.5.14,<0.5.16"
+_SGLANG_SWA_MODEL_RUNNER = ">=0.5.13,<0.5.16"
 # Where the scheduler reads the allocator's capacity itself (up to 0.5.20):
 # codemods/sglang/scheduler_capacity.py names the scopes of each release.
 _SGLANG_POLICY = "{package}/srt/managers/schedule_policy.py"
@@ -850,7 +850,7 @@ CODEMODS += [
         id="sglang-refuse-unsupported-model-runner",
         seam="config-guard",
         engine="sglang",
-        versions=">=0.5.10,<0.5.14",
+        versions=">=0.5.10,<0.5.13",
         anchor="sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
                ".init_memory_pool (envs imported, no get_exec)",
         targets=("{package}/srt/model_executor/model_runner_kv_cache_mixin.py",),
@@ -1044,7 +1044,7 @@ CODEMODS += [
         id="sglang-scheduler-capacity-check-decode-mem",
         seam="scheduler-capacity",
         engine="sglang",
-        versions=">=0.5.9,<0.5.14",
+        versions=">=0.5.9,<0.5.13",
         anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
                "sglang-scheduler-capacity's places",
         targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
@@ -1060,13 +1060,13 @@ CODEMODS += [
         id="sglang-scheduler-capacity-sides-check-decode-mem",
         seam="scheduler-capacity",
         engine="sglang",
-        versions=">=0.5.14,<0.5.19",
+        versions=">=0.5.13,<0.5.19",
         anchor="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem, and "
                "sglang-scheduler-capacity's places",
         targets=(_SGLANG_POLICY, _SGLANG_BATCH, _SGLANG_COMMON),
         expected_hits="7..11",
         why=("sglang-scheduler-capacity (with a sliding-window model's side reads, served from "
-            "0.5.14) where the decode check reads the capacity itself "
+            "0.5.13) where the decode check reads the capacity itself "
             "(ScheduleBatch.check_decode_mem)."),
         retire_when="The oldest SGLang cell asks the allocator for its capacity (0.5.21).",
         codemod=SchedulerCapacitySidesCheckDecodeMem,

@@ -67,7 +67,7 @@ def test_seam_table_names_the_seams_of_each_engine() -> None:
     # 0.34 removed the V1 GPUModelRunner: Model Runner V2 is the only GPU runner.
     assert registry.required_for("vllm", "0.34.0") == \
         [s for s in VLLM_SEAMS if s != "kv-buffers-v1-runner"]
-    # From 0.5.14 the window allocator is made elastic (the all-window one refused from 0.5.15,
+    # From 0.5.13 the window allocator is made elastic (the all-window one refused from 0.5.15,
     # where it exists); up to 0.5.20 the scheduler reads the capacity (the window model's sides
     # too) itself.
     assert registry.required_for("sglang", "0.5.23") == [
@@ -75,6 +75,8 @@ def test_seam_table_names_the_seams_of_each_engine() -> None:
     assert registry.required_for("sglang", "0.5.20") == [
         *SGLANG_SEAMS, "scheduler-capacity", "swa-allocator", "pure-swa-refused"]
     assert registry.required_for("sglang", "0.5.14") == [
+        *SGLANG_SEAMS, "scheduler-capacity", "swa-allocator"]
+    assert registry.required_for("sglang", "0.5.13") == [
         *SGLANG_SEAMS, "scheduler-capacity", "swa-allocator"]
     assert registry.required_for("sglang", "0.5.12.post1") == [*SGLANG_SEAMS,
                                                               "scheduler-capacity"]

@@ -425,12 +425,12 @@ def test_each_sglang_release_gets_one_variant_per_seam_and_its_own_kv_layout() -
                    "sglang-refuse-unsupported-server-args", sides_check_decode_mem, *older_api,
                    "sglang-swa-allocator-before-budget", "sglang-pure-swa-refused",
                    *configurator},
-        # 0.5.14 - 0.5.15: the model runner's window guard and composite (the all-window
-        # allocator from 0.5.15); 0.5.13 keeps the guard that refuses window models
+        # 0.5.13 - 0.5.15: the model runner's window guard and composite (the all-window
+        # allocator from 0.5.15); 0.5.12 keeps the guard that refuses window models
         "0.5.15.post1": {"sglang-mha-pool-inline-buffers", sides_check_decode_mem, *older_api,
                          *model_runner_window, "sglang-pure-swa-refused"},
-        "0.5.13": {"sglang-mha-pool-inline-buffers", check_decode_mem, *older_api,
-                   *model_runner},
+        "0.5.13": {"sglang-mha-pool-inline-buffers", sides_check_decode_mem, *older_api,
+                   *model_runner_window},
         "0.5.12.post1": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",
                          "sglang-paged-allocator-one-module", check_decode_mem, *model_runner},
         "0.5.11": {"sglang-mha-pool-inline-buffers", "sglang-token-allocator-one-module",

@@ -11,7 +11,7 @@ out-of-memory path, which stops the engine.
 
 The seam `sglang-scheduler-capacity` (`codemods/sglang/scheduler_capacity.py`) therefore
 rewrites exactly the reads that decide admission, retraction and the decode check to
-`allocatable_size` (and, for a hybrid sliding-window model's two sides from 0.5.14,
+`allocatable_size` (and, for a hybrid sliding-window model's two sides from 0.5.13,
 `side_allocatable_size`: `codemods/sglang/scheduler_capacity_sides.py`), and calls
 `evict_under_limit` at the start of the release's eviction before an allocation. The leak check
 and the metrics keep reading the logical size.

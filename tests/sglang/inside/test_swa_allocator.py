@@ -1,10 +1,10 @@
 """The hybrid sliding-window allocator: two elastic sides, gated and allocated together.
 
 A window model's pools are an SWAKVPool of two MHA pools (full-attention layers, window
-layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.14 the
+layers) and one composite allocator over a sub-allocator per pool. From sglang 0.5.13 the
 composite is elastic (`kvcached_core/integration/sglang/swa.py`): the cells from there list
 this file in their L1 tests. Before, the configuration guard refuses window models. From
-0.5.21 the scheduler asks the composite for its admission budget; 0.5.14 - 0.5.20 read its
+0.5.21 the scheduler asks the composite for its admission budget; 0.5.13 - 0.5.20 read its
 full and window sizes in `PrefillAdder` themselves, rewritten to each side's limit.
 """
 
