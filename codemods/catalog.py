@@ -259,7 +259,7 @@ _SGLANG_055_DATE = "2026-12-02"
 _SGLANG_PRESSURE_DATE = "2026-12-06"
 _SGLANG_SWA_DATE = "2026-12-06"
 _SGLANG_SWA_0517_DATE = "2026-12-07"
-# Hybrid sliding-window models are served elastic from 0.5.14 (from 0.5.16 the configurator's
+# Hybrid sliding-window models are served elastic from 0.5.13 (from 0.5.16 the configurator's
 # is_hybrid_swa / mambaish_config, which the guard reads: through get_exec() from 0.5.17, from
 # the ServerArgs in 0.5.16). From 0.5.21 the scheduler asks the composite allocator for its
 # prefill budget and evictions; 0.5.16 - 0.5.20 read its full and window sizes themselves

@@ -188,7 +188,7 @@ def test_the_all_window_allocator_is_refused(window_setup) -> None:
 
 
 def admission_reads_of_the_release_see_each_side(allocator: object) -> None:
-    """0.5.14 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
+    """0.5.13 - 0.5.20: the release's own PrefillAdder reads the composite's sides (the build
     rewrote those reads, sglang-scheduler-capacity); each sees its side's limit."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
